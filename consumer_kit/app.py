@@ -1,0 +1,207 @@
+"""ConsumerApp: the handler registry and the lifecycle (start, drain, stop) of a worker."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
+
+import httpx
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from consumer_kit import metrics
+from consumer_kit.delivery import Delivery, Result, Source
+from consumer_kit.errors import ConfigurationError
+from consumer_kit.pipeline import Handler, HandlerSpec, Pipeline
+from consumer_kit.settings import Settings
+from consumer_kit.store import DeadLetters, Inbox, create_engine, ensure_schema, utcnow
+from consumer_kit.store.inbox import Clock
+
+log = logging.getLogger("consumer_kit.app")
+
+H = TypeVar("H", bound=Handler)
+
+
+class ConsumerApp:
+    """A worker: sources, the handler of each, and the shared store.
+
+    ``async with app.running():`` starts every source; leaving the block stops intake, waits for
+    in-flight deliveries up to ``SHUTDOWN_GRACE_SECONDS``, gives back the leases of those that did not
+    finish, and closes the sources and the database.
+    """
+
+    def __init__(self, settings: Settings | None = None, *, clock: Clock = utcnow) -> None:
+        self.settings = settings or Settings()
+        self.clock = clock
+        self.specs: list[HandlerSpec] = []
+        self._engine: AsyncEngine | None = None
+        self._pipeline: Pipeline | None = None
+        self._http: httpx.AsyncClient | None = None
+        self._in_flight: set[asyncio.Task[Result]] = set()
+        self._sweeper: asyncio.Task[None] | None = None
+        self._started: list[Source] = []
+
+    def handler(
+        self,
+        source: Source,
+        *,
+        name: str | None = None,
+        single_transaction: bool = False,
+        max_deliveries: int | None = None,
+        labels: list[str] | tuple[str, ...] = (),
+        task: Callable[[Delivery], str] | str | None = None,
+    ) -> Callable[[H], H]:
+        """Register the handler of ``source``.
+
+        ``name`` scopes the inbox (default: the function's name); keep it stable across deploys, since
+        a new name forgets which deliveries were done. ``single_transaction=True`` claims, runs and
+        completes in one commit: faster, and only for handlers whose every effect is in ``ctx.db``.
+        ``labels`` and ``task`` describe the coordinator session (when a coordinator is configured).
+        """
+        if any(spec.source is source for spec in self.specs):
+            raise ConfigurationError(f"source {source.name!r} already has a handler; one settles each delivery")
+
+        def register(func: H) -> H:
+            self.specs.append(HandlerSpec(
+                func=func, source=source, consumer=name or func.__name__,
+                single_transaction=single_transaction, max_deliveries=max_deliveries,
+                labels=tuple(labels), task=task,
+            ))
+            return func
+
+        return register
+
+    @property
+    def engine(self) -> AsyncEngine:
+        """The database engine (available once started)."""
+        if self._engine is None:
+            raise RuntimeError("the app is not started")
+        return self._engine
+
+    @property
+    def pipeline(self) -> Pipeline:
+        """The per-delivery algorithm (available once started)."""
+        if self._pipeline is None:
+            raise RuntimeError("the app is not started")
+        return self._pipeline
+
+    @property
+    def inbox(self) -> Inbox:
+        """The inbox store."""
+        return self.pipeline.inbox
+
+    @property
+    def dead_letters(self) -> DeadLetters:
+        """Parked deliveries."""
+        return self.pipeline.dead_letters
+
+    async def start(self) -> None:
+        """Open the database (migrating SQLite, checking PostgreSQL), then start every source."""
+        if self._pipeline is not None:
+            raise RuntimeError("the app is already started")
+        settings = self.settings
+        digester = settings.digester()  # fails fast on a missing production HMAC key
+        engine = create_engine(settings.database_url, pool_size=settings.db_pool_size)
+        try:
+            await ensure_schema(engine)
+        except BaseException:
+            await engine.dispose()
+            raise
+        self._engine = engine
+        self._http = httpx.AsyncClient(timeout=httpx.Timeout(20.0))
+        self._pipeline = Pipeline(
+            settings=settings,
+            inbox=Inbox(engine, lease_seconds=settings.inbox_lease_seconds,
+                        retention_seconds=settings.inbox_retention_seconds, clock=self.clock),
+            dead_letters=DeadLetters(engine, clock=self.clock),
+            digester=digester,
+            http=self._http,
+        )
+        self._sweeper = asyncio.create_task(self._sweep_forever(), name="consumer-kit-sweeper")
+        try:
+            for spec in self.specs:
+                await spec.source.start(self._dispatcher(spec))
+                self._started.append(spec.source)
+        except BaseException:
+            await self.stop(grace=0)
+            raise
+        log.info("consumer-kit started: %d source(s) on %s", len(self.specs), engine.dialect.name)
+
+    def _dispatcher(self, spec: HandlerSpec) -> Callable[[Delivery], Any]:
+        async def dispatch(delivery: Delivery) -> Result:
+            # Processing runs in a task of its own, shielded from the caller: a source whose consumer
+            # callback is cancelled must not cut a handler's transaction in half. Only stop() cancels.
+            task = asyncio.create_task(self.pipeline.process(spec, delivery))
+            self._in_flight.add(task)
+            task.add_done_callback(self._in_flight.discard)
+            return await asyncio.shield(task)
+
+        return dispatch
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Stop intake, drain in-flight deliveries for ``grace`` seconds, release the rest, close."""
+        grace = self.settings.shutdown_grace_seconds if grace is None else grace
+        for source in self._started:
+            with contextlib.suppress(Exception):
+                await source.stop()
+        if self._in_flight:
+            _done, pending = await asyncio.wait(set(self._in_flight), timeout=grace)
+            if pending:
+                log.warning("shutdown grace over: abandoning %d in-flight deliveries", len(pending))
+                for task in pending:
+                    task.cancel()  # the pipeline releases each lease on cancellation
+                await asyncio.gather(*pending, return_exceptions=True)
+        for source in reversed(self._started):
+            try:
+                await source.close()
+            except Exception as exc:
+                log.warning("closing source %s failed: %s", source.name, type(exc).__name__)
+        self._started.clear()
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            await asyncio.gather(self._sweeper, return_exceptions=True)
+            self._sweeper = None
+        if self._http is not None:
+            await self._http.aclose()
+            self._http = None
+        if self._engine is not None:
+            await self._engine.dispose()
+            self._engine = None
+        self._pipeline = None
+
+    @contextlib.asynccontextmanager
+    async def running(self) -> AsyncIterator[ConsumerApp]:
+        """Start on entry; stop gracefully on exit."""
+        await self.start()
+        try:
+            yield self
+        finally:
+            await self.stop()
+
+    async def sweep(self) -> int:
+        """Delete expired inbox rows now, in batches; returns how many went."""
+        swept = await self.inbox.sweep(batch_size=self.settings.sweep_batch_size)
+        metrics.SWEPT.labels("inbox").inc(swept)
+        return swept
+
+    async def _sweep_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.sweep_interval_seconds)
+            try:
+                await self.sweep()
+            except Exception as exc:
+                metrics.SWEEP_FAILURES.labels("inbox").inc()
+                log.error("inbox sweep failed: %s", type(exc).__name__)
+
+    async def serve(self) -> None:
+        """Run until SIGTERM or SIGINT, then shut down gracefully (what ``consumer-kit run`` does)."""
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        async with self.running():
+            await stop.wait()
+            log.info("signal received: draining")

@@ -1,0 +1,142 @@
+"""What a source hands to the pipeline, and what the pipeline decides about it."""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import json
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any, Protocol, runtime_checkable
+
+from consumer_kit.errors import MissingStableId
+from consumer_kit.keys import OperationKey
+
+
+class Outcome(enum.StrEnum):
+    """What happened to a delivery."""
+
+    PROCESSED = "processed"  # the handler ran and its effect committed
+    DUPLICATE = "duplicate"  # already completed: acknowledged without running the handler
+    IN_PROGRESS = "in_progress"  # another attempt holds the lease
+    CONFLICT = "conflict"  # same key, different request: parked
+    INACTIVE = "inactive"  # the coordinator's result for this key is no longer active: parked
+    INVALID = "invalid"  # cannot be keyed (no stable id, invalid key): parked
+    RETRY = "retry"  # failed in a way that may pass: deliver again later
+    DEAD_LETTERED = "dead_lettered"  # terminal failure or retries exhausted: parked
+    LEASE_LOST = "lease_lost"  # another attempt took over; this one's writes were rolled back
+
+
+class Settlement(enum.StrEnum):
+    """What the source must do with the delivery: the pipeline decides, the source carries it out."""
+
+    ACK = "ack"
+    RETRY_LATER = "retry_later"
+    DEAD_LETTER = "dead_letter"
+
+
+@dataclass(frozen=True, slots=True)
+class Delivery:
+    """One delivery of a piece of work, as a source received it.
+
+    ``id`` is the source's immutable delivery id (AMQP ``message_id``, SQS ``MessageId``, the
+    webhook's event id); ``None`` when the source had none, which parks the delivery.
+    ``attributes`` are the security-relevant fields besides the body that a redelivery must repeat
+    exactly (a CloudEvent's ``type``, an AMQP routing key); per-attempt headers do not belong there.
+    """
+
+    id: str | None
+    body: bytes
+    headers: Mapping[str, str] = field(default_factory=dict)
+    attributes: Mapping[str, str] = field(default_factory=dict)
+    attempt: int = 1
+    received_at: datetime = field(default_factory=lambda: datetime.now(UTC))
+
+    def json(self) -> Any:
+        """The body parsed as JSON."""
+        return json.loads(self.body)
+
+    def text(self, encoding: str = "utf-8") -> str:
+        """The body decoded as text."""
+        return self.body.decode(encoding)
+
+    def fingerprint(self) -> str:
+        """SHA-256 over the body and the security-relevant attributes: what "the same request" means."""
+        digest = hashlib.sha256()
+        digest.update(len(self.body).to_bytes(8, "big"))
+        digest.update(self.body)
+        for name in sorted(self.attributes):
+            for part in (name, self.attributes[name]):
+                raw = part.encode("utf-8")
+                digest.update(len(raw).to_bytes(4, "big"))
+                digest.update(raw)
+        return digest.hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    """The pipeline's verdict on one delivery."""
+
+    outcome: Outcome
+    settlement: Settlement
+    reason: str | None = None  # a code such as "conflict" or "retries_exhausted"; never a key
+    delay: float | None = None  # for RETRY_LATER: how long the source should wait
+    key_digest: str | None = None  # a short keyed digest, for correlating with logs
+
+
+Dispatch = Callable[[Delivery], Awaitable[Result]]
+"""What a source calls for each delivery; it settles as the returned :class:`Result` says."""
+
+KeyMapper = Callable[[Delivery], "str | None"]
+"""Picks the stable id out of a delivery (``None`` when there is none); never a hash of the payload."""
+
+
+@runtime_checkable
+class Source(Protocol):
+    """The seam between a transport and the pipeline.
+
+    A source turns what its transport received into :class:`Delivery` values, hands each to
+    ``dispatch``, and carries out the returned settlement (ack, delayed retry, dead letter).
+    """
+
+    name: str
+    namespace: str
+    version: int
+
+    def key(self, delivery: Delivery) -> OperationKey:
+        """The operation key of a delivery; raises MissingStableId or InvalidKey."""
+        ...
+
+    async def start(self, dispatch: Dispatch) -> None:
+        """Begin intake, handing every delivery to ``dispatch``."""
+        ...
+
+    async def stop(self) -> None:
+        """Stop intake; deliveries already dispatched go on."""
+        ...
+
+    async def close(self) -> None:
+        """Release connections, after in-flight deliveries have settled."""
+        ...
+
+
+class KeyedSource:
+    """The key mapping every source shares: ``namespace:v<version>:<stable id>``.
+
+    ``key_mapper`` picks the stable id; the default takes :attr:`Delivery.id`. A missing id raises
+    :class:`MissingStableId`, an unusable one :class:`InvalidKey`: both park the delivery.
+    """
+
+    def __init__(self, *, namespace: str, version: int, key_mapper: KeyMapper | None = None) -> None:
+        self.namespace = namespace
+        self.version = version
+        self.key_mapper = key_mapper
+        OperationKey(namespace, version, "probe")  # fail at construction on a bad namespace or version
+
+    def key(self, delivery: Delivery) -> OperationKey:
+        """See the class docstring."""
+        stable_id = self.key_mapper(delivery) if self.key_mapper is not None else delivery.id
+        if stable_id is None:
+            raise MissingStableId()
+        return OperationKey(self.namespace, self.version, stable_id)

@@ -1,0 +1,81 @@
+"""The one error taxonomy of consumer-kit.
+
+::
+
+    ConsumerKitError
+    ├── ConfigurationError              the app cannot start as configured
+    │   └── SchemaOutOfDate             the database needs `consumer-kit db upgrade`
+    ├── RetryableError                  try the delivery again later (a handler may raise it)
+    ├── TerminalError                   never retry; park the delivery with a reason
+    │   ├── InvalidKey                  the operation key breaks the seed's rules
+    │   └── MissingStableId             the delivery carries no immutable id to key it by
+    └── LeaseLost                       another attempt took the inbox lease over
+
+A handler chooses the fate of its delivery by what it raises: ``RetryableError`` (optionally with a
+``delay``) asks for a later attempt, ``TerminalError`` parks the delivery at once, and any other
+exception counts as retryable. The pipeline maps fate to settlement in one place.
+
+No message in this module ever contains a raw idempotency key: errors carry reason codes and keyed
+digests only.
+"""
+
+from __future__ import annotations
+
+
+class ConsumerKitError(Exception):
+    """Base class of every error consumer-kit raises on purpose."""
+
+
+class ConfigurationError(ConsumerKitError):
+    """The settings or the environment do not allow the app to start; the message says what to set."""
+
+
+class SchemaOutOfDate(ConfigurationError):
+    """The database schema is older than this version of consumer-kit expects."""
+
+
+class RetryableError(ConsumerKitError):
+    """A failure that may pass: the delivery is tried again, after ``delay`` seconds when given.
+
+    The same operation key is used on every attempt, so a retry is harmless.
+    """
+
+    def __init__(self, message: str = "retryable failure", *, delay: float | None = None) -> None:
+        super().__init__(message)
+        self.delay = delay
+
+
+class TerminalError(ConsumerKitError):
+    """A failure that no retry can fix: the delivery is dead-lettered with ``reason``."""
+
+    reason: str = "terminal"
+
+    def __init__(self, message: str = "terminal failure", *, reason: str | None = None) -> None:
+        super().__init__(message)
+        if reason is not None:
+            self.reason = reason
+
+
+class InvalidKey(TerminalError, ValueError):
+    """An operation key breaks the rules of seed 000: empty, over 255 UTF-8 bytes, a control
+    character, or surrounding whitespace. ``code`` says which; the key itself is never echoed."""
+
+    reason = "invalid_key"
+
+    def __init__(self, code: str, part: str = "key") -> None:
+        super().__init__(f"invalid idempotency key: {part} {code.replace('_', ' ')}")
+        self.code = code
+        self.part = part
+
+
+class MissingStableId(TerminalError):
+    """The delivery has no immutable id, so it cannot be keyed; keys are never guessed from payloads."""
+
+    reason = "missing_stable_id"
+
+    def __init__(self, message: str = "the delivery carries no stable id") -> None:
+        super().__init__(message)
+
+
+class LeaseLost(ConsumerKitError):
+    """The inbox lease expired and another attempt took it over; this attempt's writes were rolled back."""

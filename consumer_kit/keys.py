@@ -1,0 +1,118 @@
+"""Operation keys: the namespaced, versioned identity of one piece of delivered work.
+
+A key is built explicitly from a source's immutable delivery id (``ticket-queue:v1:<message id>``).
+There is deliberately no constructor that takes a payload hash, a timestamp, a trace id or a title:
+seed 000 forbids those as identities.
+
+Keys are operational identifiers, not secrets, but they may carry provider ids that should not leak
+into diagnostics; they are stored and logged only as HMAC-SHA-256 digests (:class:`KeyDigester`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import unicodedata
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from consumer_kit.errors import InvalidKey
+
+MAX_KEY_BYTES = 255
+
+
+def validate_key(value: object, *, part: str = "key") -> str:
+    """Return ``value`` if it is a valid idempotency key (or key part); raise :class:`InvalidKey`.
+
+    The rules are seed 000's: non-empty, at most 255 UTF-8 bytes, no control character (Unicode
+    category Cc, so NUL, DEL and the C1 range too), no surrounding whitespace.
+    """
+    if not isinstance(value, str):
+        raise InvalidKey("not_a_string", part)
+    if not value:
+        raise InvalidKey("empty", part)
+    if len(value.encode("utf-8", "surrogatepass")) > MAX_KEY_BYTES:
+        raise InvalidKey("too_long", part)
+    if any(unicodedata.category(ch) == "Cc" for ch in value):
+        raise InvalidKey("control_character", part)
+    if value != value.strip():
+        raise InvalidKey("surrounding_whitespace", part)
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidKey("not_utf8", part) from None
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class OperationKey:
+    """``namespace:v<version>:<id>``: one operation on one delivered piece of work.
+
+    ``namespace`` names the integration (``ticket-queue``), ``version`` is bumped only to define a
+    different operation on purpose, and ``id`` is the source's immutable delivery id.
+    ``str(key)`` is the key; ``repr(key)`` hides the id so that a stray ``%r`` cannot leak it.
+    """
+
+    namespace: str
+    version: int
+    id: str
+
+    def __post_init__(self) -> None:
+        validate_key(self.namespace, part="namespace")
+        if ":" in self.namespace:
+            raise InvalidKey("contains_colon", "namespace")
+        if isinstance(self.version, bool) or not isinstance(self.version, int) or self.version < 1:
+            raise InvalidKey("not_a_positive_integer", "version")
+        validate_key(self.id, part="id")
+        validate_key(str(self))
+
+    def __str__(self) -> str:
+        return f"{self.namespace}:v{self.version}:{self.id}"
+
+    def __repr__(self) -> str:
+        return f"OperationKey(namespace={self.namespace!r}, version={self.version}, id=<redacted>)"
+
+    def derive(self, prefix: str) -> str:
+        """The key for a downstream call: ``<prefix>:<this key>``, validated.
+
+        Pass it as the destination's ``Idempotency-Key`` (or the coordinator's key) so that every hop
+        deduplicates its own repeats.
+        """
+        validate_key(prefix, part="prefix")
+        if ":" in prefix:
+            raise InvalidKey("contains_colon", "prefix")
+        return validate_key(f"{prefix}:{self}")
+
+
+class KeyDigester:
+    """Keyed digests of idempotency keys, for storage and logs.
+
+    ``digest`` uses the current HMAC key; ``candidates`` also yields the digest under the previous key
+    so that records written before a rotation are still found (seed 000: keep the previous key for one
+    full retention window, then remove it).
+    """
+
+    __slots__ = ("_keys",)
+
+    def __init__(self, current: bytes, previous: bytes | None = None) -> None:
+        if len(current) < 16:
+            raise ValueError("the HMAC key must be at least 16 bytes")
+        self._keys: tuple[bytes, ...] = (current,) if not previous else (current, previous)
+
+    def digest(self, key: OperationKey | str) -> str:
+        """Hex HMAC-SHA-256 of the key under the current HMAC key."""
+        return _hmac_hex(self._keys[0], str(key))
+
+    def candidates(self, key: OperationKey | str) -> Sequence[str]:
+        """The digests to look a stored record up by: current key first, then the previous one."""
+        raw = str(key)
+        return [_hmac_hex(k, raw) for k in self._keys]
+
+
+def _hmac_hex(secret: bytes, value: str) -> str:
+    return hmac.new(secret, value.encode("utf-8"), hashlib.sha256).hexdigest()
+
+
+def short(digest: str) -> str:
+    """The first 16 hex digits of a digest: enough to correlate log lines, useless to reverse."""
+    return digest[:16]

@@ -1,0 +1,23 @@
+"""Prometheus collectors. Labels carry source names, outcomes and reason codes: never a key."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+DELIVERIES = Counter(
+    "consumer_kit_deliveries_total", "Deliveries by source and outcome.", ["source", "outcome"]
+)
+HANDLER_SECONDS = Histogram(
+    "consumer_kit_handler_duration_seconds",
+    "Time from claim to settlement decision for deliveries that ran the handler.",
+    ["source"],
+)
+DEAD_LETTERS = Counter(
+    "consumer_kit_dead_letters_total", "Deliveries parked, by source and reason.", ["source", "reason"]
+)
+IN_FLIGHT = Gauge("consumer_kit_in_flight", "Deliveries being processed now.", ["source"])
+LEASE_TAKEOVERS = Counter(
+    "consumer_kit_inbox_takeovers_total", "Claims that took over an expired or released lease.", ["source"]
+)
+SWEPT = Counter("consumer_kit_swept_total", "Expired rows deleted by the sweeper.", ["table"])
+SWEEP_FAILURES = Counter("consumer_kit_sweeper_failures_total", "Sweeper runs that failed.", ["table"])

@@ -1,0 +1,320 @@
+"""The per-delivery algorithm (DESIGN.md), source-agnostic.
+
+::
+
+    key   = source.key(delivery)            no stable id / invalid key -> park, INVALID
+    claim = inbox.claim(consumer, key, fp)  txn 1, committed at once (seed 003)
+      completed   -> ACK, DUPLICATE         live lease -> RETRY_LATER, IN_PROGRESS
+      conflict    -> park, CONFLICT         new / expired lease -> we hold the lease
+    handler(ctx)  in txn 2, which also completes the inbox row WHERE lease_token = ours
+      lease lost  -> roll back, LEASE_LOST  raised -> see _failed()
+    ACK, PROCESSED
+
+Fate is mapped to settlement in this module only: ``TerminalError`` parks at once, anything else is
+retried in process within a budget, then handed back to the source (RETRY_LATER) until
+``max_deliveries`` is reached, when the delivery is parked "retries_exhausted".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+import traceback
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
+
+from consumer_kit import metrics
+from consumer_kit.context import Context
+from consumer_kit.delivery import Delivery, Outcome, Result, Settlement, Source
+from consumer_kit.errors import InvalidKey, LeaseLost, MissingStableId, RetryableError, TerminalError
+from consumer_kit.keys import KeyDigester, OperationKey, short
+from consumer_kit.settings import Settings
+from consumer_kit.store import Claim, ClaimStatus, DeadLetters, Inbox
+from consumer_kit.store.database import DEFERRED
+
+log = logging.getLogger("consumer_kit.pipeline")
+
+Handler = Callable[[Context], Awaitable[Any]]
+
+
+@dataclass(frozen=True, slots=True)
+class HandlerSpec:
+    """A handler bound to its source, as ``@app.handler`` registered it."""
+
+    func: Handler
+    source: Source
+    consumer: str  # the inbox scope; keep it stable across deploys
+    single_transaction: bool = False
+    max_deliveries: int | None = None
+    labels: tuple[str, ...] = ()
+    task: Callable[[Delivery], str] | str | None = None
+
+
+class Pipeline:
+    """Runs deliveries through claim, handler and completion; returns the settlement to carry out."""
+
+    def __init__(
+        self,
+        *,
+        settings: Settings,
+        inbox: Inbox,
+        dead_letters: DeadLetters,
+        digester: KeyDigester,
+        http: httpx.AsyncClient | None = None,
+    ) -> None:
+        self.settings = settings
+        self.inbox = inbox
+        self.dead_letters = dead_letters
+        self.digester = digester
+        self.http = http
+
+    async def process(self, spec: HandlerSpec, delivery: Delivery) -> Result:
+        """Decide one delivery's fate; never raises except on cancellation."""
+        source = spec.source.name
+        metrics.IN_FLIGHT.labels(source).inc()
+        try:
+            result = await self._process(spec, delivery)
+        except asyncio.CancelledError:
+            metrics.DELIVERIES.labels(source, "cancelled").inc()
+            raise
+        except Exception as exc:  # the store failed: nothing was decided, so try the delivery again
+            log.error("delivery failed before settlement (%s); retrying later", _describe(exc, None),
+                      extra={"source": source})
+            result = Result(Outcome.RETRY, Settlement.RETRY_LATER, "store_error",
+                            delay=self.settings.retry_later_seconds)
+        finally:
+            metrics.IN_FLIGHT.labels(source).dec()
+        metrics.DELIVERIES.labels(source, result.outcome.value).inc()
+        return result
+
+    async def _process(self, spec: HandlerSpec, delivery: Delivery) -> Result:
+        try:
+            key = spec.source.key(delivery)
+        except (MissingStableId, InvalidKey) as exc:
+            await self._park(spec, delivery, None, exc.reason, str(exc), attempts=delivery.attempt)
+            return Result(Outcome.INVALID, Settlement.DEAD_LETTER, exc.reason)
+        digests = self.digester.candidates(key)
+        fingerprint = delivery.fingerprint()
+        if spec.single_transaction:
+            return await self._single_transaction(spec, delivery, key, digests, fingerprint)
+
+        claim = await self.inbox.claim(spec.consumer, digests, fingerprint,
+                                       namespace=key.namespace, version=key.version)
+        if not claim.acquired:
+            return await self._not_acquired(spec, delivery, key, claim)
+        if claim.attempts > 1:
+            metrics.LEASE_TAKEOVERS.labels(spec.source.name).inc()
+        return await self._run_leased(spec, delivery, key, claim)
+
+    async def _not_acquired(self, spec: HandlerSpec, delivery: Delivery, key: OperationKey,
+                            claim: Claim) -> Result:
+        digest = short(claim.digest)
+        if claim.status is ClaimStatus.COMPLETED:
+            _log(logging.DEBUG, "duplicate delivery acknowledged", key, digest)
+            return Result(Outcome.DUPLICATE, Settlement.ACK, key_digest=digest)
+        if claim.status is ClaimStatus.DEAD:
+            _log(logging.INFO, "delivery of a parked key acknowledged", key, digest)
+            return Result(Outcome.DUPLICATE, Settlement.ACK, "already_dead_lettered", key_digest=digest)
+        if claim.status is ClaimStatus.CONFLICT:
+            _log(logging.WARNING, "same key, different request: parked as conflict", key, digest)
+            await self._park(spec, delivery, claim.digest, "conflict",
+                             "the key was first used with a different request", attempts=delivery.attempt)
+            return Result(Outcome.CONFLICT, Settlement.DEAD_LETTER, "conflict", key_digest=digest)
+        _log(logging.DEBUG, "delivery in progress elsewhere", key, digest)
+        delay = self.settings.retry_later_seconds
+        if claim.locked_until is not None:
+            delay = max(0.0, (claim.locked_until - self.inbox.clock()).total_seconds())
+        return Result(Outcome.IN_PROGRESS, Settlement.RETRY_LATER, "in_progress", delay=delay, key_digest=digest)
+
+    async def _run_leased(self, spec: HandlerSpec, delivery: Delivery, key: OperationKey,
+                          claim: Claim) -> Result:
+        assert claim.lease_token is not None
+        token = claim.lease_token
+        digest = short(claim.digest)
+        heartbeat = asyncio.create_task(self._heartbeat(spec.consumer, claim.digest, token))
+        started = time.perf_counter()
+        try:
+            for attempt in range(1, self.settings.retry_attempts + 1):
+                try:
+                    async with self._transaction() as (conn, session):
+                        ctx = self._context(key, delivery, session, claim)
+                        await spec.func(ctx)
+                        await session.flush()
+                        if not await self.inbox.complete(conn, spec.consumer, claim.digest, token,
+                                                         outcome=Outcome.PROCESSED.value):
+                            raise LeaseLost()
+                    _log(logging.DEBUG, "delivery processed", key, digest)
+                    return Result(Outcome.PROCESSED, Settlement.ACK, key_digest=digest)
+                except LeaseLost:
+                    _log(logging.WARNING, "lease lost to another attempt; writes rolled back", key, digest)
+                    return Result(Outcome.LEASE_LOST, Settlement.RETRY_LATER, "lease_lost",
+                                  delay=self.settings.retry_later_seconds, key_digest=digest)
+                except TerminalError as exc:
+                    return await self._dead(spec, delivery, key, claim, exc.reason, _describe(exc, key))
+                except Exception as exc:
+                    if isinstance(exc, RetryableError) and exc.delay is not None:
+                        return await self._retry_later(spec, delivery, key, claim, exc, exc.delay)
+                    if attempt == self.settings.retry_attempts:
+                        return await self._retry_later(spec, delivery, key, claim, exc, None)
+                    _log(logging.INFO, f"handler failed, attempt {attempt}; retrying in process "
+                         f"({_describe(exc, key)})", key, digest)
+                    await asyncio.sleep(self._backoff(attempt))
+            raise AssertionError("unreachable")
+        except asyncio.CancelledError:
+            # Shutdown ran out of grace: give the lease back so a redelivery need not wait it out.
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self.inbox.release(spec.consumer, claim.digest, token,
+                                                        error="cancelled"))
+            raise
+        finally:
+            heartbeat.cancel()
+            metrics.HANDLER_SECONDS.labels(spec.source.name).observe(time.perf_counter() - started)
+
+    async def _single_transaction(self, spec: HandlerSpec, delivery: Delivery, key: OperationKey,
+                                  digests: list[str] | Any, fingerprint: str) -> Result:
+        """Claim, effect and completion in one commit; only for handlers that touch nothing but the
+        database, since a handler that calls out would repeat its call after a rollback."""
+        started = time.perf_counter()
+        existing = await self.inbox.lookup(spec.consumer, digests)
+        if existing is not None and existing["state"] in ("completed", "dead"):
+            claim = Claim(ClaimStatus.CONFLICT if existing["fingerprint"] != fingerprint else
+                          ClaimStatus.COMPLETED if existing["state"] == "completed" else ClaimStatus.DEAD,
+                          existing["key_digest"], existing["attempts"])
+            return await self._not_acquired(spec, delivery, key, claim)
+        error: BaseException | None = None
+        for attempt in range(1, self.settings.retry_attempts + 1):
+            try:
+                async with self._transaction() as (conn, session):
+                    claim = await self.inbox.claim_in(conn, spec.consumer, digests, fingerprint,
+                                                      namespace=key.namespace, version=key.version,
+                                                      outcome=Outcome.PROCESSED.value)
+                    if not claim.acquired:
+                        raise _NotAcquired(claim)
+                    ctx = self._context(key, delivery, session, claim)
+                    await spec.func(ctx)
+                    await session.flush()
+                metrics.HANDLER_SECONDS.labels(spec.source.name).observe(time.perf_counter() - started)
+                return Result(Outcome.PROCESSED, Settlement.ACK, key_digest=short(claim.digest))
+            except _NotAcquired as not_acquired:
+                return await self._not_acquired(spec, delivery, key, not_acquired.claim)
+            except TerminalError as exc:
+                error = exc
+                break
+            except Exception as exc:
+                error = exc
+                if (isinstance(exc, RetryableError) and exc.delay is not None) or \
+                        attempt == self.settings.retry_attempts:
+                    break
+                await asyncio.sleep(self._backoff(attempt))
+        assert error is not None
+        detail = _describe(error, key)
+        attempts = await self.inbox.record_failure(spec.consumer, digests, fingerprint, namespace=key.namespace,
+                                                   version=key.version, error=detail)
+        claim = Claim(ClaimStatus.ACQUIRED, digests[0], max(attempts, delivery.attempt))
+        if isinstance(error, TerminalError):
+            return await self._dead(spec, delivery, key, claim, error.reason, detail)
+        delay = error.delay if isinstance(error, RetryableError) else None
+        return await self._retry_later(spec, delivery, key, claim, error, delay, released=True)
+
+    async def _retry_later(self, spec: HandlerSpec, delivery: Delivery, key: OperationKey, claim: Claim,
+                           exc: BaseException, delay: float | None, *, released: bool = False) -> Result:
+        detail = _describe(exc, key)
+        limit = spec.max_deliveries or self.settings.max_deliveries
+        if max(claim.attempts, delivery.attempt) >= limit:
+            return await self._dead(spec, delivery, key, claim, "retries_exhausted", detail)
+        if not released:
+            assert claim.lease_token is not None
+            await self.inbox.release(spec.consumer, claim.digest, claim.lease_token, error=detail)
+        _log(logging.WARNING, f"handler failed; delivery {claim.attempts} of {limit} will be retried "
+             f"({detail})", key, short(claim.digest))
+        return Result(Outcome.RETRY, Settlement.RETRY_LATER, "handler_failed",
+                      delay=self.settings.retry_later_seconds if delay is None else delay,
+                      key_digest=short(claim.digest))
+
+    async def _dead(self, spec: HandlerSpec, delivery: Delivery, key: OperationKey, claim: Claim,
+                    reason: str, detail: str) -> Result:
+        async with self.inbox.engine.begin() as conn:
+            await self.inbox.mark_dead(spec.consumer, claim.digest, claim.lease_token, reason=reason, conn=conn)
+            await self._park(spec, delivery, claim.digest, reason, detail, attempts=claim.attempts, conn=conn)
+        _log(logging.WARNING, f"delivery parked: {reason} ({detail})", key, short(claim.digest))
+        return Result(Outcome.DEAD_LETTERED, Settlement.DEAD_LETTER, reason, key_digest=short(claim.digest))
+
+    async def _park(self, spec: HandlerSpec, delivery: Delivery, digest: str | None, reason: str,
+                    detail: str, *, attempts: int, conn: AsyncConnection | None = None) -> None:
+        await self.dead_letters.park(
+            consumer=spec.consumer, source=spec.source.name, namespace=spec.source.namespace,
+            version=spec.source.version, key_digest=digest, reason=reason, detail=detail,
+            body=delivery.body, headers=delivery.headers, attempts=attempts, conn=conn,
+        )
+        metrics.DEAD_LETTERS.labels(spec.source.name, reason).inc()
+        if digest is None:
+            log.warning("delivery parked: %s (%s)", reason, detail,
+                        extra={"namespace": spec.source.namespace, "source": spec.source.name})
+
+    @contextlib.asynccontextmanager
+    async def _transaction(self) -> AsyncIterator[tuple[AsyncConnection, AsyncSession]]:
+        async with self.inbox.engine.connect() as conn:
+            await conn.execution_options(**{DEFERRED: True})
+            async with conn.begin():
+                # The session joins the connection's transaction: a handler's commit() cannot end it.
+                session = AsyncSession(bind=conn, expire_on_commit=False)
+                try:
+                    yield conn, session
+                finally:
+                    await session.close()
+
+    def _context(self, key: OperationKey, delivery: Delivery, session: AsyncSession, claim: Claim) -> Context:
+        return Context(key=key, delivery=delivery, db=session, attempt=max(claim.attempts, delivery.attempt),
+                       key_digest=short(claim.digest), http=self.http)
+
+    async def _heartbeat(self, consumer: str, digest: str, token: str) -> None:
+        interval = self.settings.heartbeat_seconds
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                if not await self.inbox.renew(consumer, digest, token):
+                    return  # taken over; completion will fail and roll back
+            except Exception as exc:  # the next beat may get through before the lease runs out
+                log.warning("lease renewal failed: %s", type(exc).__name__)
+
+    def _backoff(self, attempt: int) -> float:
+        base = self.settings.retry_backoff_seconds * 2 ** (attempt - 1)
+        # Full jitter (AWS architecture blog): spreads retries of many consumers apart.
+        return random.uniform(0, min(self.settings.retry_backoff_max_seconds, base))
+
+
+class _NotAcquired(Exception):
+    def __init__(self, claim: Claim) -> None:
+        self.claim = claim
+
+
+def _describe(exc: BaseException, key: OperationKey | None) -> str:
+    """``Type: message`` of an exception, with the raw key redacted (user code may put it there)."""
+    text = f"{type(exc).__name__}: {exc}"
+    return redact(text, key)[:500]
+
+
+def redact(text: str, key: OperationKey | None) -> str:
+    """``text`` with the raw key and its id replaced by ``<key>``."""
+    if key is None:
+        return text
+    text = text.replace(str(key), "<key>")
+    # A short id (say "42") is no secret and would garble the text; longer ones are redacted too.
+    return text.replace(key.id, "<key>") if len(key.id) >= 6 else text
+
+
+def _log(level: int, message: str, key: OperationKey, digest: str) -> None:
+    log.log(level, "%s [%s:v%d %s]", message, key.namespace, key.version, digest,
+            extra={"namespace": key.namespace, "key_digest": digest})
+
+
+def format_exception(exc: BaseException, key: OperationKey | None) -> str:
+    """A traceback with the raw key redacted."""
+    return redact("".join(traceback.format_exception(exc)), key)

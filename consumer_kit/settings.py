@@ -1,0 +1,142 @@
+"""Every tunable of consumer-kit, in one pydantic-settings class.
+
+Environment names are the seeds' where the seeds name them (``IDEMPOTENCY_RETENTION_SECONDS`` and
+friends). Secrets have no defaults: on a database other than SQLite a missing
+``IDEMPOTENCY_HMAC_KEY`` is a startup error. On the embedded SQLite default the first run writes a
+random key to a file beside the database (mode 0600), so that a laptop run needs no set-up.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+from pathlib import Path
+
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from consumer_kit.errors import ConfigurationError
+from consumer_kit.keys import KeyDigester
+
+log = logging.getLogger("consumer_kit.settings")
+
+DEFAULT_DATABASE_URL = "sqlite+aiosqlite:///consumer-kit.db"
+_MIN_HMAC_KEY_BYTES = 16
+
+
+class Settings(BaseSettings):
+    """consumer-kit's configuration; read from the environment (and a ``.env`` file) by default."""
+
+    model_config = SettingsConfigDict(env_file=".env", env_file_encoding="utf-8", extra="ignore")
+
+    database_url: str = Field(
+        DEFAULT_DATABASE_URL,
+        description="SQLAlchemy URL; sqlite:/// and postgresql:// are mapped to their async drivers.",
+    )
+    idempotency_hmac_key: SecretStr | None = Field(None, description="Key of the HMAC over stored keys.")
+    idempotency_hmac_key_previous: SecretStr | None = Field(
+        None, description="The HMAC key before a rotation; keep it one retention window, then remove it."
+    )
+    idempotency_retention_seconds: int = Field(604_800, gt=0)
+    generated_idempotency_retention_seconds: int = Field(86_400, gt=0)
+    idempotency_max_receipts_per_scope: int = Field(10_000, gt=0)
+    coordinator_body_limit_bytes: int = Field(262_144, gt=0)
+
+    inbox_lease_seconds: float = Field(30.0, gt=0, description="How long a claim holds a delivery.")
+    inbox_heartbeat_seconds: float | None = Field(
+        None, gt=0, description="How often a running handler renews its lease; default lease / 3."
+    )
+    inbox_retention_seconds: int = Field(
+        604_800, gt=0, description="How long a completed delivery is remembered; outlast every redelivery."
+    )
+    retry_attempts: int = Field(3, ge=1, description="Handler attempts within one delivery.")
+    retry_backoff_seconds: float = Field(0.05, ge=0, description="First in-process backoff; doubles.")
+    retry_backoff_max_seconds: float = Field(2.0, ge=0)
+    retry_later_seconds: float = Field(5.0, ge=0, description="Delay a source applies to RETRY_LATER.")
+    max_deliveries: int = Field(10, ge=1, description="Deliveries of one key before 'retries_exhausted'.")
+    shutdown_grace_seconds: float = Field(30.0, ge=0)
+    sweep_interval_seconds: float = Field(60.0, gt=0)
+    sweep_batch_size: int = Field(500, gt=0)
+    db_pool_size: int = Field(20, gt=0)
+
+    coordinator_url: str | None = None
+    coordinator_token: SecretStr | None = None
+
+    @field_validator("database_url")
+    @classmethod
+    def _async_driver(cls, value: str) -> str:
+        return async_database_url(value)
+
+    @property
+    def is_sqlite(self) -> bool:
+        """Whether the database is the embedded SQLite default (or another SQLite file)."""
+        return self.database_url.startswith("sqlite")
+
+    @property
+    def heartbeat_seconds(self) -> float:
+        """The lease renewal interval actually used."""
+        return self.inbox_heartbeat_seconds or self.inbox_lease_seconds / 3
+
+    def digester(self) -> KeyDigester:
+        """The keyed digester for stored and logged keys; see the module docstring for the key's origin."""
+        current = self.idempotency_hmac_key
+        if current is None:
+            if not self.is_sqlite:
+                raise ConfigurationError(
+                    "IDEMPOTENCY_HMAC_KEY is not set. It is required for any database other than SQLite: "
+                    "set it to at least 32 random characters (for example the output of "
+                    "`python -c 'import secrets; print(secrets.token_urlsafe(32))'`)."
+                )
+            key = _sqlite_key_file(self.database_url)
+        else:
+            key = current.get_secret_value().encode("utf-8")
+        previous = self.idempotency_hmac_key_previous
+        prev = previous.get_secret_value().encode("utf-8") if previous else None
+        for name, value in (("IDEMPOTENCY_HMAC_KEY", key), ("IDEMPOTENCY_HMAC_KEY_PREVIOUS", prev)):
+            if value is not None and len(value) < _MIN_HMAC_KEY_BYTES:
+                raise ConfigurationError(f"{name} must be at least {_MIN_HMAC_KEY_BYTES} bytes long.")
+        return KeyDigester(key, prev)
+
+
+def async_database_url(url: str) -> str:
+    """Map plain ``sqlite:`` and ``postgresql:`` URLs to their asyncio drivers (aiosqlite, asyncpg)."""
+    for plain, driver in (
+        ("sqlite://", "sqlite+aiosqlite://"),
+        ("postgresql://", "postgresql+asyncpg://"),
+        ("postgres://", "postgresql+asyncpg://"),
+    ):
+        if url.startswith(plain):
+            return driver + url[len(plain) :]
+    return url
+
+
+_ephemeral_keys: dict[str, bytes] = {}
+
+
+def _sqlite_key_file(database_url: str) -> bytes:
+    """The HMAC key kept beside a SQLite database file, written on first use."""
+    path_part = database_url.split("///", 1)[1] if "///" in database_url else ""
+    path_part = path_part.split("?", 1)[0]
+    if not path_part or path_part == ":memory:":
+        # An in-memory database forgets its keys with the process; so may its HMAC key.
+        return _ephemeral_keys.setdefault(database_url, secrets.token_bytes(32))
+    key_path = Path(path_part + ".hmac-key")
+    try:
+        return key_path.read_bytes().strip()
+    except FileNotFoundError:
+        pass
+    key_path.parent.mkdir(parents=True, exist_ok=True)
+    token = secrets.token_urlsafe(32).encode("ascii")
+    try:
+        fd = os.open(key_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:  # another process wrote it first
+        return key_path.read_bytes().strip()
+    with os.fdopen(fd, "wb") as handle:
+        handle.write(token + b"\n")
+    log.warning(
+        "IDEMPOTENCY_HMAC_KEY is not set: wrote a random key to %s (mode 0600). Keep that file with the "
+        "database; set IDEMPOTENCY_HMAC_KEY in production.",
+        key_path,
+    )
+    return token

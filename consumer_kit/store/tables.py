@@ -1,0 +1,95 @@
+"""The tables consumer-kit keeps, as SQLAlchemy Core definitions.
+
+Alembic migrations (``consumer_kit/migrations``) create them; a test proves the two agree. They work
+on SQLite (the embedded default) and PostgreSQL. Keys appear only as keyed digests.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    Column,
+    DateTime,
+    Dialect,
+    Index,
+    Integer,
+    LargeBinary,
+    MetaData,
+    String,
+    Table,
+    Text,
+    TypeDecorator,
+)
+
+metadata = MetaData(
+    naming_convention={
+        "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+        "pk": "pk_%(table_name)s",
+        "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    }
+)
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """Aware UTC datetimes on every backend (SQLite stores naive text; PostgreSQL timestamptz)."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError("naive datetime given to a UTC column")
+        value = value.astimezone(UTC)
+        return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
+
+    def process_result_value(self, value: Any, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        assert isinstance(value, datetime)
+        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+inbox = Table(
+    "inbox",
+    metadata,
+    Column("consumer", String(200), primary_key=True),
+    Column("key_digest", String(64), primary_key=True),
+    Column("namespace", String(255), nullable=False),
+    Column("version", Integer, nullable=False),
+    Column("fingerprint", String(64), nullable=False),
+    Column("state", String(16), nullable=False),  # started | completed | dead
+    Column("locked_until", UTCDateTime(), nullable=True),
+    Column("lease_token", String(32), nullable=True),
+    Column("attempts", Integer, nullable=False),
+    Column("outcome", String(32), nullable=True),
+    Column("result", JSON, nullable=True),
+    Column("last_error", String(500), nullable=True),
+    Column("created_at", UTCDateTime(), nullable=False),
+    Column("updated_at", UTCDateTime(), nullable=False),
+    Column("expires_at", UTCDateTime(), nullable=False),
+    Index("ix_inbox_expires_at", "expires_at"),
+)
+
+dead_letters = Table(
+    "dead_letters",
+    metadata,
+    Column("id", String(32), primary_key=True),
+    Column("consumer", String(200), nullable=False),
+    Column("source", String(255), nullable=False),
+    Column("namespace", String(255), nullable=False),
+    Column("version", Integer, nullable=False),
+    Column("key_digest", String(64), nullable=True),  # None when the delivery could not be keyed
+    Column("reason", String(64), nullable=False),
+    Column("detail", Text, nullable=True),
+    Column("body", LargeBinary, nullable=False),
+    Column("headers", JSON, nullable=False),
+    Column("attempts", Integer, nullable=False),
+    Column("created_at", UTCDateTime(), nullable=False),
+    Index("ix_dead_letters_created_at", "created_at"),
+    Index("ix_dead_letters_key_digest", "key_digest"),
+)

@@ -1,0 +1,186 @@
+"""Shared fixtures: a fresh PostgreSQL database per test run, a SQLite file per test, and the guard
+that no raw idempotency key reaches a log record or a metric sample anywhere in the suite."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+from collections.abc import AsyncIterator, Coroutine, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client import REGISTRY
+from sqlalchemy import text
+
+from consumer_kit import Settings
+from consumer_kit.keys import OperationKey
+from consumer_kit.store import create_engine, metadata, upgrade
+
+PG_ADMIN_URL = os.environ.get("CK_TEST_PG_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
+TEST_HMAC_KEY = "test-hmac-key-0123456789abcdef"
+
+# ---------------------------------------------------------------------------------------------------
+# Raw keys must never be logged or used as metric labels: every key the suite builds is remembered,
+# every log record is captured, and after each test both are checked.
+
+_RAW_KEYS: set[str] = set()
+_original_post_init = OperationKey.__post_init__
+
+
+def _remembering_post_init(self: OperationKey) -> None:
+    _original_post_init(self)
+    _RAW_KEYS.add(str(self))
+
+
+OperationKey.__post_init__ = _remembering_post_init  # type: ignore[method-assign]
+_original_derive = OperationKey.derive
+
+
+def _remembering_derive(self: OperationKey, prefix: str) -> str:
+    derived = _original_derive(self, prefix)
+    _RAW_KEYS.add(derived)
+    return derived
+
+
+OperationKey.derive = _remembering_derive  # type: ignore[method-assign]
+
+
+class _Capture(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.texts: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        parts = [record.getMessage(), repr(record.__dict__.get("key_digest", ""))]
+        if record.exc_info and record.exc_info[1] is not None:
+            parts.append(logging.Formatter().formatException(record.exc_info))
+        self.texts.append("\n".join(parts))
+
+
+def raw_keys_in(texts: list[str]) -> list[str]:
+    """The remembered raw keys that occur in any of ``texts``."""
+    keys = [k for k in _RAW_KEYS if len(k) > 8]
+    return sorted({k for t in texts for k in keys if k in t})
+
+
+def metric_label_values() -> list[str]:
+    return [value for family in REGISTRY.collect() for sample in family.samples
+            for value in sample.labels.values()]
+
+
+@pytest.fixture(autouse=True)
+def no_raw_keys_in_logs_or_metrics() -> Iterator[_Capture]:
+    capture = _Capture()
+    root = logging.getLogger()
+    ck_logger = logging.getLogger("consumer_kit")
+    old_level = ck_logger.level
+    ck_logger.setLevel(logging.DEBUG)
+    root.addHandler(capture)
+    try:
+        yield capture
+    finally:
+        root.removeHandler(capture)
+        ck_logger.setLevel(old_level)
+    leaked = raw_keys_in(capture.texts)
+    assert not leaked, f"raw idempotency keys in log records: {len(leaked)}"
+    leaked = raw_keys_in(metric_label_values())
+    assert not leaked, f"raw idempotency keys in metric labels: {len(leaked)}"
+
+
+# ---------------------------------------------------------------------------------------------------
+# Databases
+
+
+async def _admin(statement: str) -> None:
+    engine = create_engine(PG_ADMIN_URL.replace("postgresql://", "postgresql+asyncpg://"))
+    try:
+        async with engine.connect() as conn:
+            await conn.execution_options(isolation_level="AUTOCOMMIT")
+            await conn.execute(text(statement))
+    finally:
+        await engine.dispose()
+
+
+def run_in_thread(coro: Coroutine[Any, Any, None]) -> None:
+    """Run a coroutine to completion on a loop of its own (session fixtures may be set up while a
+    test's loop is running)."""
+    with ThreadPoolExecutor(1) as pool:
+        pool.submit(asyncio.run, coro).result()
+
+
+@pytest.fixture(scope="session")
+def pg_url() -> Iterator[str]:
+    """A PostgreSQL database created for this test run, migrated to head, dropped afterwards."""
+    name = f"ck_test_{secrets.token_hex(4)}"
+    run_in_thread(_admin(f'CREATE DATABASE "{name}"'))
+    url = PG_ADMIN_URL.rsplit("/", 1)[0] + f"/{name}"
+    url = url.replace("postgresql://", "postgresql+asyncpg://")
+
+    async def migrate() -> None:
+        engine = create_engine(url)
+        try:
+            await upgrade(engine)
+        finally:
+            await engine.dispose()
+
+    run_in_thread(migrate())
+    yield url
+    run_in_thread(_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+
+
+async def truncate_all(url: str) -> None:
+    engine = create_engine(url)
+    try:
+        async with engine.begin() as conn:
+            names = ", ".join(f'"{t.name}"' for t in metadata.sorted_tables)
+            await conn.execute(text(f"TRUNCATE {names}"))
+    finally:
+        await engine.dispose()
+
+
+@pytest.fixture
+async def pg_database(pg_url: str) -> AsyncIterator[str]:
+    """The run's PostgreSQL database, emptied before the test."""
+    await truncate_all(pg_url)
+    yield pg_url
+
+
+@pytest.fixture
+def sqlite_url(tmp_path: Path) -> str:
+    """A SQLite file of the test's own."""
+    return f"sqlite+aiosqlite:///{tmp_path}/consumer-kit.db"
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+async def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[str]:
+    """Each test that takes it runs twice: on a SQLite file and on the real PostgreSQL server."""
+    if request.param == "sqlite":
+        yield f"sqlite+aiosqlite:///{tmp_path}/consumer-kit.db"
+    else:
+        url = request.getfixturevalue("pg_url")
+        await truncate_all(url)
+        yield url
+
+
+def make_settings(database_url: str, **overrides: object) -> Settings:
+    """Settings for a test: the given database, the test HMAC key, fast retries."""
+    values: dict[str, object] = {
+        "database_url": database_url,
+        "idempotency_hmac_key": TEST_HMAC_KEY,
+        "retry_backoff_seconds": 0.001,
+        "retry_backoff_max_seconds": 0.01,
+        "sweep_interval_seconds": 3600,
+        "shutdown_grace_seconds": 5,
+    }
+    values.update(overrides)
+    return Settings(**values)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def settings(database_url: str) -> Settings:
+    """Settings on the parametrised database."""
+    return make_settings(database_url)
