@@ -1,0 +1,105 @@
+"""The ``consumer-kit`` command.
+
+::
+
+    consumer-kit run module:app     run an app until SIGTERM/SIGINT, then drain (like uvicorn)
+    consumer-kit db upgrade         apply the migrations to DATABASE_URL
+    consumer-kit db check           exit 1 when DATABASE_URL's schema is out of date
+    consumer-kit demo               the retry-safety recipe end to end on embedded defaults
+
+Configuration comes from :class:`~consumer_kit.settings.Settings` (the environment) only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import logging
+import os
+import sys
+from collections.abc import Callable, Sequence
+
+from consumer_kit.app import ConsumerApp
+from consumer_kit.errors import ConfigurationError
+from consumer_kit.settings import Settings
+from consumer_kit.store import create_engine, schema_revisions, upgrade
+
+Command = Callable[[argparse.Namespace], int]
+
+
+def load_app(target: str) -> ConsumerApp:
+    """Import ``module:attribute`` (the current directory is importable) and return the app."""
+    module_name, _, attribute = target.partition(":")
+    if not module_name or not attribute:
+        raise SystemExit(f"expected module:app, got {target!r}")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    app = getattr(importlib.import_module(module_name), attribute, None)
+    if not isinstance(app, ConsumerApp):
+        raise SystemExit(f"{target} is not a consumer_kit.ConsumerApp")
+    return app
+
+
+def _run(args: argparse.Namespace) -> int:
+    app = load_app(args.app)
+    asyncio.run(app.serve())
+    return 0
+
+
+async def _db(action: str) -> int:
+    settings = Settings()
+    engine = create_engine(settings.database_url)
+    try:
+        if action == "upgrade":
+            await upgrade(engine)
+        current, head = await schema_revisions(engine)
+        print(f"schema revision {current or 'none'} (head {head})")
+        return 0 if current == head else 1
+    finally:
+        await engine.dispose()
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from consumer_kit.demo import run_demo
+
+    return asyncio.run(run_demo())
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser (sub-commands register their own options)."""
+    parser = argparse.ArgumentParser(prog="consumer-kit", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--log-level", default=os.environ.get("LOG_LEVEL", "INFO"))
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    run = commands.add_parser("run", help="run an app: module:app")
+    run.add_argument("app")
+    run.add_argument("--host", default="127.0.0.1", help="where HTTP sources are served")
+    run.add_argument("--port", type=int, default=8000)
+    run.set_defaults(func=_run)
+
+    db = commands.add_parser("db", help="schema management")
+    db_commands = db.add_subparsers(dest="db_command", required=True)
+    db_commands.add_parser("upgrade", help="apply the migrations").set_defaults(
+        func=lambda _a: asyncio.run(_db("upgrade")))
+    db_commands.add_parser("check", help="exit 1 when the schema is out of date").set_defaults(
+        func=lambda _a: asyncio.run(_db("check")))
+
+    commands.add_parser("demo", help="the retry-safety recipe on embedded defaults").set_defaults(func=_demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``consumer-kit`` script."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    func: Command = args.func
+    try:
+        return func(args)
+    except ConfigurationError as exc:
+        print(f"consumer-kit: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
