@@ -19,6 +19,7 @@ from consumer_kit.pipeline import Handler, HandlerSpec, Pipeline
 from consumer_kit.settings import Settings
 from consumer_kit.store import DeadLetters, Inbox, create_engine, ensure_schema, utcnow
 from consumer_kit.store.inbox import Clock
+from consumer_kit.store.pglane import PgLane
 
 log = logging.getLogger("consumer_kit.app")
 
@@ -38,6 +39,7 @@ class ConsumerApp:
         self.clock = clock
         self.specs: list[HandlerSpec] = []
         self._engine: AsyncEngine | None = None
+        self._lane: PgLane | None = None
         self._pipeline: Pipeline | None = None
         self._http: httpx.AsyncClient | None = None
         self._in_flight: set[asyncio.Task[Result]] = set()
@@ -111,11 +113,13 @@ class ConsumerApp:
             await engine.dispose()
             raise
         self._engine = engine
+        if engine.dialect.name == "postgresql":
+            self._lane = await PgLane.open(settings.database_url, size=settings.db_pool_size)
         self._http = httpx.AsyncClient(timeout=httpx.Timeout(20.0))
         self._pipeline = Pipeline(
             settings=settings,
             inbox=Inbox(engine, lease_seconds=settings.inbox_lease_seconds,
-                        retention_seconds=settings.inbox_retention_seconds, clock=self.clock),
+                        retention_seconds=settings.inbox_retention_seconds, clock=self.clock, lane=self._lane),
             dead_letters=DeadLetters(engine, clock=self.clock),
             digester=digester,
             http=self._http,
@@ -167,6 +171,9 @@ class ConsumerApp:
         if self._http is not None:
             await self._http.aclose()
             self._http = None
+        if self._lane is not None:
+            await self._lane.close()
+            self._lane = None
         if self._engine is not None:
             await self._engine.dispose()
             self._engine = None

@@ -74,6 +74,7 @@ class Pipeline:
         self.dead_letters = dead_letters
         self.digester = digester
         self.http = http
+        self._sqlite = inbox.engine.dialect.name == "sqlite"
 
     async def process(self, spec: HandlerSpec, delivery: Delivery) -> Result:
         """Decide one delivery's fate; never raises except on cancellation."""
@@ -182,12 +183,6 @@ class Pipeline:
         """Claim, effect and completion in one commit; only for handlers that touch nothing but the
         database, since a handler that calls out would repeat its call after a rollback."""
         started = time.perf_counter()
-        existing = await self.inbox.lookup(spec.consumer, digests)
-        if existing is not None and existing["state"] in ("completed", "dead"):
-            claim = Claim(ClaimStatus.CONFLICT if existing["fingerprint"] != fingerprint else
-                          ClaimStatus.COMPLETED if existing["state"] == "completed" else ClaimStatus.DEAD,
-                          existing["key_digest"], existing["attempts"])
-            return await self._not_acquired(spec, delivery, key, claim)
         error: BaseException | None = None
         for attempt in range(1, self.settings.retry_attempts + 1):
             try:
@@ -261,7 +256,8 @@ class Pipeline:
     @contextlib.asynccontextmanager
     async def _transaction(self) -> AsyncIterator[tuple[AsyncConnection, AsyncSession]]:
         async with self.inbox.engine.connect() as conn:
-            await conn.execution_options(**{DEFERRED: True})
+            if self._sqlite:
+                await conn.execution_options(**{DEFERRED: True})
             async with conn.begin():
                 # The session joins the connection's transaction: a handler's commit() cannot end it.
                 session = AsyncSession(bind=conn, expire_on_commit=False)

@@ -33,7 +33,9 @@ def create_engine(url: str, *, pool_size: int = 20) -> AsyncEngine:
         _sqlite_pragmas(engine)
         return engine
     try:
-        return create_async_engine(url, pool_size=pool_size, max_overflow=pool_size, pool_pre_ping=True)
+        # No pre-ping: it costs a round trip per checkout. A connection that died is an error in
+        # the pipeline, which retries the delivery; the pool then replaces it.
+        return create_async_engine(url, pool_size=pool_size, max_overflow=pool_size, pool_recycle=1800)
     except ModuleNotFoundError as exc:
         raise ConfigurationError(
             f"the driver for {url.split('://', 1)[0]} is not installed: pip install 'consumer-kit[postgres]'"
@@ -58,7 +60,10 @@ def _sqlite_pragmas(engine: AsyncEngine) -> None:
     def _on_begin(conn: Connection) -> None:
         # A handler's transaction may wait on the network before it writes; it takes the write lock
         # at its first write instead of holding it all along (see DEFERRED below).
-        deferred = conn.get_execution_options().get(DEFERRED, False)
+        options = conn.get_execution_options()
+        if options.get("isolation_level") == "AUTOCOMMIT":
+            return
+        deferred = options.get(DEFERRED, False)
         conn.exec_driver_sql("BEGIN DEFERRED" if deferred else "BEGIN IMMEDIATE")
 
 

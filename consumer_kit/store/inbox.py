@@ -18,11 +18,12 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import delete, select, update
+from sqlalchemy import bindparam, delete, select, text, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from consumer_kit.store.tables import inbox
+from consumer_kit.store.pglane import PgLane
+from consumer_kit.store.tables import UTCDateTime, inbox
 
 Clock = Callable[[], datetime]
 
@@ -73,21 +74,32 @@ class Inbox:
         lease_seconds: float,
         retention_seconds: float,
         clock: Clock = utcnow,
+        lane: PgLane | None = None,
     ) -> None:
         self.engine = engine
+        self.lane = lane
         self.lease = timedelta(seconds=lease_seconds)
         self.retention = timedelta(seconds=retention_seconds)
         self.clock = clock
         self._insert = postgresql.insert if engine.dialect.name == "postgresql" else sqlite.insert
+        # Single statements and reads need no BEGIN/COMMIT round trips of their own.
+        self._autocommit = engine.execution_options(isolation_level="AUTOCOMMIT")
+        self._statements = _Statements()
 
     async def lookup(self, consumer: str, digests: Sequence[str]) -> dict[str, Any] | None:
         """The row stored under any of ``digests`` (current HMAC key first), without a lock."""
-        async with self.engine.connect() as conn:
+        if self.lane is not None and len(digests) == 1:
+            return await self.lane.lookup(consumer, digests[0])
+        async with self._autocommit.connect() as conn:
             return await self._find(conn, consumer, digests, lock=False)
 
     async def _find(
         self, conn: AsyncConnection, consumer: str, digests: Sequence[str], *, lock: bool
     ) -> dict[str, Any] | None:
+        if len(digests) == 1 and not lock:  # the hot path: one prepared statement, no compilation
+            found = await conn.execute(self._statements.lookup, {"p_consumer": consumer, "p_digest": digests[0]})
+            row = found.first()
+            return None if row is None else row._asdict()
         query = select(inbox).where(inbox.c.consumer == consumer, inbox.c.key_digest.in_(digests))
         if lock:
             query = query.with_for_update()
@@ -105,59 +117,35 @@ class Inbox:
         ``digests[0]`` is the digest under the current HMAC key; later ones are looked up so that a
         row written before a key rotation is still honoured.
         """
-        # A read first: a redelivery of completed work (the common repeat) then costs one indexed
-        # SELECT and no write at all.
+        # A plain read first: a redelivery of completed work (the common repeat) then costs one
+        # indexed SELECT and no write, so no lock and no WAL flush.
         existing = await self.lookup(consumer, digests)
-        if existing is not None and existing["state"] != "started":
+        if existing is not None and (existing["state"] != "started" or existing["fingerprint"] != fingerprint):
             return _verdict(existing, fingerprint)
+        digest = existing["key_digest"] if existing is not None else digests[0]
         now = self.clock()
         token = secrets.token_hex(16)
-        async with self.engine.begin() as conn:
-            if existing is None:
-                inserted = await conn.execute(
-                    self._insert(inbox)
-                    .values(
-                        consumer=consumer,
-                        key_digest=digests[0],
-                        namespace=namespace,
-                        version=version,
-                        fingerprint=fingerprint,
-                        state="started",
-                        locked_until=now + self.lease,
-                        lease_token=token,
-                        attempts=1,
-                        created_at=now,
-                        updated_at=now,
-                        expires_at=now + self.retention,
-                    )
-                    .on_conflict_do_nothing()
-                )
-                if inserted.rowcount == 1:
-                    return Claim(ClaimStatus.ACQUIRED, digests[0], 1, token, now + self.lease)
-            row = await self._find(conn, consumer, digests, lock=True)
-            if row is None:  # swept between our statements: a brand-new key after all
-                return await self.claim(consumer, digests, fingerprint, namespace=namespace, version=version)
-            if row["fingerprint"] != fingerprint or row["state"] != "started":
-                return _verdict(row, fingerprint)
-            if row["locked_until"] is not None and row["locked_until"] > now:
-                return Claim(ClaimStatus.IN_PROGRESS, row["key_digest"], row["attempts"],
-                             locked_until=row["locked_until"])
-            # The lease expired or was released: take over with a fresh token. The WHERE on the old
-            # token keeps this safe where FOR UPDATE is a no-op (SQLite serialises writers anyway).
-            attempts = row["attempts"] + 1
-            taken = await conn.execute(
-                update(inbox)
-                .where(
-                    inbox.c.consumer == consumer,
-                    inbox.c.key_digest == row["key_digest"],
-                    inbox.c.state == "started",
-                    _same_token(row["lease_token"]),
-                )
-                .values(locked_until=now + self.lease, lease_token=token, attempts=attempts, updated_at=now)
-            )
-            if taken.rowcount != 1:
-                return Claim(ClaimStatus.IN_PROGRESS, row["key_digest"], row["attempts"])
-            return Claim(ClaimStatus.ACQUIRED, row["key_digest"], attempts, token, now + self.lease)
+        # Claim and takeover are one atomic statement, committed at once: insert the row, or, when it
+        # exists, take it over only if it is started, for the same request, and its lease has run out
+        # (or was released). Concurrent claimers serialise on the row; exactly one gets it back.
+        params = {
+            "p_consumer": consumer, "p_key_digest": digest, "p_namespace": namespace, "p_version": version,
+            "p_fingerprint": fingerprint, "p_locked_until": now + self.lease, "p_lease_token": token,
+            "p_now": now, "p_expires_at": now + self.retention,
+        }
+        if self.lane is not None:
+            attempts = await self.lane.claim(consumer, digest, namespace, version, fingerprint,
+                                             locked_until=now + self.lease, token=token, now=now,
+                                             expires_at=now + self.retention)
+        else:
+            async with self._autocommit.connect() as conn:
+                attempts = (await conn.execute(self._statements.claim, params)).scalar_one_or_none()
+        if attempts is not None:
+            return Claim(ClaimStatus.ACQUIRED, digest, attempts, token, now + self.lease)
+        row = await self.lookup(consumer, [digest])
+        if row is None:  # swept between our statements: a brand-new key after all
+            return await self.claim(consumer, digests, fingerprint, namespace=namespace, version=version)
+        return _verdict(row, fingerprint)
 
     async def claim_in(
         self,
@@ -190,8 +178,16 @@ class Inbox:
             expires_at=now + self.retention,
         )
         if len(digests) == 1:
-            inserted = await conn.execute(self._insert(inbox).values(**values).on_conflict_do_nothing())
-            if inserted.rowcount == 1:
+            if self.lane is not None:
+                inserted = await self.lane.insert_completed(
+                    conn, consumer, digests[0], namespace, version, fingerprint, outcome=outcome, now=now,
+                    expires_at=now + self.retention)
+            else:
+                inserted = (await conn.execute(self._statements.insert_completed, {
+                    "p_consumer": consumer, "p_key_digest": digests[0], "p_namespace": namespace,
+                    "p_version": version, "p_fingerprint": fingerprint, "p_outcome": outcome, "p_now": now,
+                    "p_expires_at": now + self.retention})).rowcount == 1
+            if inserted:
                 return Claim(ClaimStatus.ACQUIRED, digests[0], 1)
         row = await self._find(conn, consumer, digests, lock=True)
         if row is None:
@@ -260,13 +256,13 @@ class Inbox:
         """Txn 2 of seed 003, inside the handler's transaction: mark the row completed if the lease is
         still ours. ``False`` means another attempt took over: the caller must roll back."""
         now = self.clock()
-        done = await conn.execute(
-            update(inbox)
-            .where(inbox.c.consumer == consumer, inbox.c.key_digest == digest,
-                   inbox.c.state == "started", inbox.c.lease_token == token)
-            .values(state="completed", locked_until=None, lease_token=None, outcome=outcome,
-                    result=result, last_error=None, updated_at=now, expires_at=now + self.retention)
-        )
+        if self.lane is not None and result is None:
+            return await self.lane.complete(conn, consumer, digest, token, outcome=outcome, now=now,
+                                            expires_at=now + self.retention)
+        done = await conn.execute(self._statements.complete, {
+            "p_consumer": consumer, "p_key_digest": digest, "p_token": token, "p_outcome": outcome,
+            "p_result": result, "p_now": now, "p_expires_at": now + self.retention,
+        })
         return done.rowcount == 1
 
     async def release(self, consumer: str, digest: str, token: str, *, error: str | None = None) -> bool:
@@ -343,7 +339,48 @@ def _verdict(row: dict[str, Any], fingerprint: str) -> Claim:
     """What a committed row says to a new attempt that did not get the lease."""
     if row["fingerprint"] != fingerprint:
         status = ClaimStatus.CONFLICT
-    else:
+    else:  # a started row we could not take over holds a live lease
         status = _STATE_STATUS.get(row["state"], ClaimStatus.IN_PROGRESS)
     return Claim(status, row["key_digest"], row["attempts"], result=row["result"],
                  locked_until=row["locked_until"])
+
+
+class _Statements:
+    """The hot-path statements, built once with named parameters so that SQLAlchemy compiles each
+    once per engine and asyncpg prepares each once per connection."""
+
+    def __init__(self) -> None:
+        now = bindparam("p_now", type_=UTCDateTime())
+        self.lookup = select(inbox).where(inbox.c.consumer == bindparam("p_consumer"),
+                                          inbox.c.key_digest == bindparam("p_digest"))
+        # Written out because SQLAlchemy does not cache the compiled form of ON CONFLICT DO UPDATE
+        # (it recompiled on every delivery); PostgreSQL and SQLite share this syntax.
+        self.claim = text(
+            "INSERT INTO inbox (consumer, key_digest, namespace, version, fingerprint, state, locked_until,"
+            " lease_token, attempts, created_at, updated_at, expires_at)"
+            " VALUES (:p_consumer, :p_key_digest, :p_namespace, :p_version, :p_fingerprint, 'started',"
+            " :p_locked_until, :p_lease_token, 1, :p_now, :p_now, :p_expires_at)"
+            " ON CONFLICT (consumer, key_digest) DO UPDATE SET locked_until = :p_locked_until,"
+            " lease_token = :p_lease_token, attempts = inbox.attempts + 1, updated_at = :p_now"
+            " WHERE inbox.state = 'started' AND inbox.fingerprint = :p_fingerprint"
+            " AND (inbox.locked_until IS NULL OR inbox.locked_until <= :p_now)"
+            " RETURNING attempts"
+        ).bindparams(
+            bindparam("p_now", type_=UTCDateTime()), bindparam("p_locked_until", type_=UTCDateTime()),
+            bindparam("p_expires_at", type_=UTCDateTime()),
+        )
+        self.insert_completed = text(
+            "INSERT INTO inbox (consumer, key_digest, namespace, version, fingerprint, state, attempts,"
+            " outcome, created_at, updated_at, expires_at)"
+            " VALUES (:p_consumer, :p_key_digest, :p_namespace, :p_version, :p_fingerprint, 'completed',"
+            " 1, :p_outcome, :p_now, :p_now, :p_expires_at)"
+            " ON CONFLICT (consumer, key_digest) DO NOTHING"
+        ).bindparams(bindparam("p_now", type_=UTCDateTime()), bindparam("p_expires_at", type_=UTCDateTime()))
+        self.complete = (
+            update(inbox)
+            .where(inbox.c.consumer == bindparam("p_consumer"), inbox.c.key_digest == bindparam("p_key_digest"),
+                   inbox.c.state == "started", inbox.c.lease_token == bindparam("p_token"))
+            .values(state="completed", locked_until=None, lease_token=None, outcome=bindparam("p_outcome"),
+                    result=bindparam("p_result"), last_error=None, updated_at=now,
+                    expires_at=bindparam("p_expires_at"))
+        )

@@ -1,0 +1,28 @@
+"""``python -m bench [name ...]``: run the benchmarks (all by default) and print their ratios."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import sys
+
+BENCHMARKS = {
+    "pipeline": "bench.pipeline",
+}
+
+
+def main(argv: list[str]) -> int:
+    names = argv or list(BENCHMARKS)
+    unknown = [n for n in names if n not in BENCHMARKS]
+    if unknown:
+        print(f"unknown benchmark(s) {unknown}; choose from {sorted(BENCHMARKS)}", file=sys.stderr)
+        return 2
+    failed = 0
+    for name in names:
+        module = importlib.import_module(BENCHMARKS[name])
+        failed += 0 if asyncio.run(module.main()) else 1
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

@@ -1,0 +1,104 @@
+"""Issue 2's benchmark: the inbox pipeline on PostgreSQL against a hand-rolled asyncpg inbox consumer.
+
+Both sides do the same work per delivery: dedupe on an inbox row and insert one effect row, at the
+same concurrency, on the same server, in the same run. The hand-rolled consumer is what a careful
+team writes without a framework: ``INSERT ... ON CONFLICT DO NOTHING`` into an inbox table plus the
+effect row, one transaction per message.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import asyncpg
+from sqlalchemy import Column, Integer, MetaData, String, Table
+
+from bench.common import drive, scratch_database, verdict
+from consumer_kit import ConsumerApp, Context, Settings
+from consumer_kit.store import create_engine, upgrade
+from consumer_kit.testing import InMemorySource
+
+N = int(os.environ.get("CK_BENCH_N", "20000"))
+CONCURRENCY = 32
+
+_metadata = MetaData()
+effects = Table(
+    "bench_effects", _metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("ticket", String(50), nullable=False),
+)
+
+
+async def hand_rolled(url: str, ids: list[str], bodies: dict[str, bytes]) -> float:
+    pool = await asyncpg.create_pool(url, min_size=CONCURRENCY, max_size=CONCURRENCY)
+    assert pool is not None
+    await pool.execute("CREATE TABLE hr_inbox (consumer text, message_id text, PRIMARY KEY (consumer, message_id))")
+    await pool.execute("CREATE TABLE hr_effects (id serial PRIMARY KEY, ticket text NOT NULL)")
+
+    async def consume(message_id: str) -> None:
+        async with pool.acquire() as conn, conn.transaction():
+            status = await conn.execute(
+                "INSERT INTO hr_inbox (consumer, message_id) VALUES ($1, $2) ON CONFLICT DO NOTHING",
+                "bench", message_id,
+            )
+            if status == "INSERT 0 1":
+                await conn.execute("INSERT INTO hr_effects (ticket) VALUES ($1)", bodies[message_id][:20].decode())
+
+    try:
+        rate = await drive(ids, consume, CONCURRENCY)
+        assert await pool.fetchval("SELECT count(*) FROM hr_effects") == len(ids)
+        return rate
+    finally:
+        await pool.close()
+
+
+async def framework(url: str, ids: list[str], bodies: dict[str, bytes], *, single: bool) -> tuple[float, float]:
+    settings = Settings(
+        database_url=url, idempotency_hmac_key="bench-hmac-key-0123456789abcdef",  # type: ignore[arg-type]
+        db_pool_size=CONCURRENCY // 2,
+    )
+    app = ConsumerApp(settings)
+    source = InMemorySource(namespace="bench", version=1 if single else 2)
+
+    @app.handler(source, single_transaction=single, name="single" if single else "double")
+    async def handle(ctx: Context) -> None:
+        await ctx.db.execute(effects.insert().values(ticket=ctx.delivery.body[:20].decode()))
+
+    async with app.running():
+        async with app.engine.begin() as conn:
+            await conn.run_sync(_metadata.create_all)
+
+        async def deliver(message_id: str) -> None:
+            result = await source.deliver(id=message_id, body=bodies[message_id])
+            assert result.outcome.value in ("processed", "duplicate"), result
+
+        first = await drive(ids, deliver, CONCURRENCY)
+        again = await drive(ids, deliver, CONCURRENCY)
+        async with app.engine.begin() as conn:
+            await conn.run_sync(lambda c: _metadata.drop_all(c))
+    return first, again
+
+
+async def main() -> bool:
+    logging.getLogger("consumer_kit").setLevel(logging.WARNING)
+    ids = [f"m-{i:08d}" for i in range(N)]
+    bodies = {i: f'{{"key": "T-{i}"}}'.encode() for i in ids}
+    async with scratch_database() as url:
+        engine = create_engine(url.replace("postgresql://", "postgresql+asyncpg://"))
+        await upgrade(engine)
+        await engine.dispose()
+        async_url = url.replace("postgresql://", "postgresql+asyncpg://")
+        baseline = await hand_rolled(url, ids, bodies)
+        two_txn, duplicates = await framework(async_url, ids, bodies, single=False)
+        one_txn, _ = await framework(async_url, ids, bodies, single=True)
+    rows = [
+        ("two-transaction path", two_txn, two_txn / baseline, 0.5),
+        ("single-transaction path", one_txn, one_txn / baseline, 0.9),
+        ("duplicate deliveries", duplicates, duplicates / baseline, 2.0),
+    ]
+    print(f"pipeline on PostgreSQL: {N} deliveries, concurrency {CONCURRENCY}")
+    print(f"  {'hand-rolled asyncpg inbox (peer)':<34} {baseline:9.0f} msg/s")
+    for label, rate, ratio, target in rows:
+        print(f"  {label:<34} {rate:9.0f} msg/s  {ratio:5.2f}x peer  (target >= {target}x: {verdict(ratio, target)})")
+    return all(ratio >= target for _, _, ratio, target in rows)
