@@ -14,7 +14,6 @@ from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from consumer_kit.errors import ConfigurationError, SchemaOutOfDate
 
-
 DEFERRED = "consumer_kit_sqlite_deferred"
 """Execution option: on SQLite, begin this connection's transactions DEFERRED instead of IMMEDIATE."""
 

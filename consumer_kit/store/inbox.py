@@ -191,8 +191,8 @@ class Inbox:
                 return Claim(ClaimStatus.ACQUIRED, digests[0], 1)
         row = await self._find(conn, consumer, digests, lock=True)
         if row is None:
-            inserted = await conn.execute(self._insert(inbox).values(**values).on_conflict_do_nothing())
-            if inserted.rowcount == 1:
+            fresh = await conn.execute(self._insert(inbox).values(**values).on_conflict_do_nothing())
+            if fresh.rowcount == 1:
                 return Claim(ClaimStatus.ACQUIRED, digests[0], 1)
             row = await self._find(conn, consumer, digests, lock=True)
             assert row is not None

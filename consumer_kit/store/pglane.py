@@ -93,7 +93,7 @@ class PgLane:
                 await start()
             else:
                 await conn.exec_driver_sql("SELECT 1")
-        driver: asyncpg.Connection = raw.driver_connection  # type: ignore[assignment]
+        driver: asyncpg.Connection = raw.driver_connection
         if not driver.is_in_transaction():
             raise RuntimeError("the inbox completion must run inside the handler's transaction")
         return driver

@@ -11,6 +11,7 @@ import secrets
 from pathlib import Path
 
 import pytest
+from pydantic import SecretStr
 
 from consumer_kit.settings import Settings
 
@@ -20,7 +21,7 @@ def consumer_kit_settings(tmp_path: Path) -> Settings:
     """Settings on a SQLite file of the test's own, with a random HMAC key and fast retries."""
     return Settings(
         database_url=f"sqlite+aiosqlite:///{tmp_path}/consumer-kit.db",
-        idempotency_hmac_key=secrets.token_urlsafe(32),  # type: ignore[arg-type]
+        idempotency_hmac_key=SecretStr(secrets.token_urlsafe(32)),
         retry_backoff_seconds=0.001,
         retry_backoff_max_seconds=0.01,
         shutdown_grace_seconds=5,

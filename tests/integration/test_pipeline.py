@@ -150,7 +150,7 @@ async def test_heartbeat_keeps_a_long_handler_alive(database_url: str) -> None:
         entered.set()
         await release.wait()
 
-    app1, source1, runs1 = build(settings, before=long_running)
+    app1, source1, _ = build(settings, before=long_running)
     app2, source2, _ = build(settings)
     async with app1.running(), app2.running():
         await make_effects_table(app1)

@@ -1,0 +1,56 @@
+from __future__ import annotations
+
+import logging
+import stat
+from pathlib import Path
+
+import pytest
+
+from consumer_kit import ConfigurationError, Settings
+
+
+def test_defaults_are_the_seeds() -> None:
+    settings = Settings(_env_file=None)  # type: ignore[call-arg]
+    assert settings.idempotency_retention_seconds == 604_800
+    assert settings.generated_idempotency_retention_seconds == 86_400
+    assert settings.idempotency_max_receipts_per_scope == 10_000
+    assert settings.coordinator_body_limit_bytes == 262_144
+    assert settings.database_url == "sqlite+aiosqlite:///consumer-kit.db"
+
+
+def test_environment_names(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("IDEMPOTENCY_RETENTION_SECONDS", "100")
+    monkeypatch.setenv("DATABASE_URL", "postgresql://u@h/db")
+    monkeypatch.setenv("MAX_DELIVERIES", "4")
+    settings = Settings(_env_file=None)  # type: ignore[call-arg]
+    assert settings.idempotency_retention_seconds == 100
+    assert settings.database_url == "postgresql+asyncpg://u@h/db"
+    assert settings.max_deliveries == 4
+
+
+def test_production_database_needs_an_hmac_key() -> None:
+    settings = Settings(database_url="postgresql://u@h/db", _env_file=None)  # type: ignore[call-arg]
+    with pytest.raises(ConfigurationError, match="IDEMPOTENCY_HMAC_KEY"):
+        settings.digester()
+
+
+def test_short_hmac_key_is_refused() -> None:
+    settings = Settings(database_url="postgresql://u@h/db", idempotency_hmac_key="short")  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match="at least 16 bytes"):
+        settings.digester()
+
+
+def test_sqlite_writes_a_private_key_file_once(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    settings = Settings(database_url=f"sqlite:///{tmp_path}/app.db", _env_file=None)  # type: ignore[call-arg]
+    with caplog.at_level(logging.WARNING):
+        first = settings.digester()
+    key_file = tmp_path / "app.db.hmac-key"
+    assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
+    assert "IDEMPOTENCY_HMAC_KEY is not set" in caplog.text and str(key_file) in caplog.text
+    second = settings.digester()
+    assert first.digest("ns:v1:x") == second.digest("ns:v1:x")
+
+
+def test_secret_is_not_in_repr() -> None:
+    settings = Settings(idempotency_hmac_key="very-secret-value-123456")  # type: ignore[arg-type]
+    assert "very-secret-value-123456" not in repr(settings)
