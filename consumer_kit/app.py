@@ -114,7 +114,8 @@ class ConsumerApp:
             raise
         self._engine = engine
         if engine.dialect.name == "postgresql":
-            self._lane = await PgLane.open(settings.database_url, size=settings.db_pool_size)
+            # Single autocommit statements hold a connection only for one round trip: half as many do.
+            self._lane = await PgLane.open(settings.database_url, size=max(2, settings.db_pool_size // 2))
         self._http = httpx.AsyncClient(timeout=httpx.Timeout(20.0))
         self._pipeline = Pipeline(
             settings=settings,

@@ -139,7 +139,8 @@ class Pipeline:
         assert claim.lease_token is not None
         token = claim.lease_token
         digest = short(claim.digest)
-        heartbeat = asyncio.create_task(self._heartbeat(spec.consumer, claim.digest, token))
+        heartbeat = _Heartbeat(self.settings.heartbeat_seconds,
+                               lambda: self._heartbeat(spec.consumer, claim.digest, token))
         started = time.perf_counter()
         try:
             for attempt in range(1, self.settings.retry_attempts + 1):
@@ -273,17 +274,34 @@ class Pipeline:
     async def _heartbeat(self, consumer: str, digest: str, token: str) -> None:
         interval = self.settings.heartbeat_seconds
         while True:
-            await asyncio.sleep(interval)
             try:
                 if not await self.inbox.renew(consumer, digest, token):
                     return  # taken over; completion will fail and roll back
             except Exception as exc:  # the next beat may get through before the lease runs out
                 log.warning("lease renewal failed: %s", type(exc).__name__)
+            await asyncio.sleep(interval)
 
     def _backoff(self, attempt: int) -> float:
         base = self.settings.retry_backoff_seconds * 2 ** (attempt - 1)
         # Full jitter (AWS architecture blog): spreads retries of many consumers apart.
         return random.uniform(0, min(self.settings.retry_backoff_max_seconds, base))
+
+
+class _Heartbeat:
+    """Starts the lease-renewal task only once a handler has run for one renewal interval, so that
+    the common short handler pays for a timer, not for a task."""
+
+    def __init__(self, interval: float, beat: Callable[[], Awaitable[None]]) -> None:
+        self._task: asyncio.Task[None] | None = None
+        self._timer = asyncio.get_running_loop().call_later(interval, self._start, beat)
+
+    def _start(self, beat: Callable[[], Awaitable[None]]) -> None:
+        self._task = asyncio.ensure_future(beat())
+
+    def cancel(self) -> None:
+        self._timer.cancel()
+        if self._task is not None:
+            self._task.cancel()
 
 
 class _NotAcquired(Exception):

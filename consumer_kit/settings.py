@@ -58,7 +58,7 @@ class Settings(BaseSettings):
     shutdown_grace_seconds: float = Field(30.0, ge=0)
     sweep_interval_seconds: float = Field(60.0, gt=0)
     sweep_batch_size: int = Field(500, gt=0)
-    db_pool_size: int = Field(20, gt=0)
+    db_pool_size: int = Field(10, gt=0, description="Connections kept per app; as many again may overflow.")
 
     coordinator_url: str | None = None
     coordinator_token: SecretStr | None = None

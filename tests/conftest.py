@@ -175,6 +175,7 @@ def make_settings(database_url: str, **overrides: object) -> Settings:
         "retry_backoff_max_seconds": 0.01,
         "sweep_interval_seconds": 3600,
         "shutdown_grace_seconds": 5,
+        "db_pool_size": 4,  # several apps share the server's 100 connections with other test runs
     }
     values.update(overrides)
     return Settings(**values)  # type: ignore[arg-type]
