@@ -45,6 +45,10 @@ COMPLETE = (
 )
 
 
+async def _keep_session(connection: asyncpg.Connection) -> None:
+    """Pool reset hook: nothing to reset (see :meth:`PgLane.open`)."""
+
+
 class PgLane:
     """A small asyncpg pool for the inbox's per-delivery statements (see the module docstring)."""
 
@@ -55,7 +59,9 @@ class PgLane:
     async def open(cls, sqlalchemy_url: str, *, size: int) -> PgLane:
         """Open a pool on the database of a ``postgresql+asyncpg://`` URL."""
         dsn = make_url(sqlalchemy_url).set(drivername="postgresql").render_as_string(hide_password=False)
-        pool = await asyncpg.create_pool(dsn, min_size=1, max_size=size)
+        # The lane runs only the fixed statements below, in autocommit, and never changes session
+        # state; asyncpg's default reset on release would cost a round trip per statement for nothing.
+        pool = await asyncpg.create_pool(dsn, min_size=1, max_size=size, reset=_keep_session)
         assert pool is not None
         return cls(pool)
 
