@@ -20,6 +20,7 @@ from consumer_kit.store import create_engine, upgrade
 from consumer_kit.testing import InMemorySource
 
 N = int(os.environ.get("CK_BENCH_N", "20000"))
+ROUNDS = int(os.environ.get("CK_BENCH_ROUNDS", "2"))
 CONCURRENCY = 32
 
 _metadata = MetaData()
@@ -33,6 +34,7 @@ effects = Table(
 async def hand_rolled(url: str, ids: list[str], bodies: dict[str, bytes]) -> float:
     pool = await asyncpg.create_pool(url, min_size=CONCURRENCY, max_size=CONCURRENCY)
     assert pool is not None
+    await pool.execute("DROP TABLE IF EXISTS hr_inbox, hr_effects")
     await pool.execute("CREATE TABLE hr_inbox (consumer text, message_id text, PRIMARY KEY (consumer, message_id))")
     await pool.execute("CREATE TABLE hr_effects (id serial PRIMARY KEY, ticket text NOT NULL)")
 
@@ -53,7 +55,8 @@ async def hand_rolled(url: str, ids: list[str], bodies: dict[str, bytes]) -> flo
         await pool.close()
 
 
-async def framework(url: str, ids: list[str], bodies: dict[str, bytes], *, single: bool) -> tuple[float, float]:
+async def framework(url: str, ids: list[str], bodies: dict[str, bytes], *, single: bool,
+                    round_: int) -> tuple[float, float]:
     settings = Settings(
         database_url=url, idempotency_hmac_key="bench-hmac-key-0123456789abcdef",  # type: ignore[arg-type]
         db_pool_size=CONCURRENCY // 2,
@@ -61,7 +64,7 @@ async def framework(url: str, ids: list[str], bodies: dict[str, bytes], *, singl
     app = ConsumerApp(settings)
     source = InMemorySource(namespace="bench", version=1 if single else 2)
 
-    @app.handler(source, single_transaction=single, name="single" if single else "double")
+    @app.handler(source, single_transaction=single, name=f"{'single' if single else 'double'}-{round_}")
     async def handle(ctx: Context) -> None:
         await ctx.db.execute(effects.insert().values(ticket=ctx.delivery.body[:20].decode()))
 
@@ -84,20 +87,25 @@ async def main() -> bool:
     logging.getLogger("consumer_kit").setLevel(logging.WARNING)
     ids = [f"m-{i:08d}" for i in range(N)]
     bodies = {i: f'{{"key": "T-{i}"}}'.encode() for i in ids}
+    # Rounds alternate between the peer and consumer-kit, and each side keeps its best round, so that
+    # a burst of load from elsewhere on the machine does not decide the ratio.
+    baseline = two_txn = duplicates = one_txn = 0.0
     async with scratch_database() as url:
-        engine = create_engine(url.replace("postgresql://", "postgresql+asyncpg://"))
+        async_url = url.replace("postgresql://", "postgresql+asyncpg://")
+        engine = create_engine(async_url)
         await upgrade(engine)
         await engine.dispose()
-        async_url = url.replace("postgresql://", "postgresql+asyncpg://")
-        baseline = await hand_rolled(url, ids, bodies)
-        two_txn, duplicates = await framework(async_url, ids, bodies, single=False)
-        one_txn, _ = await framework(async_url, ids, bodies, single=True)
+        for round_ in range(ROUNDS):
+            baseline = max(baseline, await hand_rolled(url, ids, bodies))
+            first, again = await framework(async_url, ids, bodies, single=False, round_=round_)
+            two_txn, duplicates = max(two_txn, first), max(duplicates, again)
+            one_txn = max(one_txn, (await framework(async_url, ids, bodies, single=True, round_=round_))[0])
     rows = [
         ("two-transaction path", two_txn, two_txn / baseline, 0.5),
         ("single-transaction path", one_txn, one_txn / baseline, 0.9),
         ("duplicate deliveries", duplicates, duplicates / baseline, 2.0),
     ]
-    print(f"pipeline on PostgreSQL: {N} deliveries, concurrency {CONCURRENCY}")
+    print(f"pipeline on PostgreSQL: {N} deliveries, concurrency {CONCURRENCY}, best of {ROUNDS} rounds")
     print(f"  {'hand-rolled asyncpg inbox (peer)':<34} {baseline:9.0f} msg/s")
     for label, rate, ratio, target in rows:
         print(f"  {label:<34} {rate:9.0f} msg/s  {ratio:5.2f}x peer  (target >= {target}x: {verdict(ratio, target)})")

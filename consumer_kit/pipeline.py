@@ -148,7 +148,8 @@ class Pipeline:
                     async with self._transaction() as (conn, session):
                         ctx = self._context(key, delivery, session, claim)
                         await spec.func(ctx)
-                        await session.flush()
+                        if session.new or session.dirty or session.deleted:  # ORM objects to write
+                            await session.flush()
                         if not await self.inbox.complete(conn, spec.consumer, claim.digest, token,
                                                          outcome=Outcome.PROCESSED.value):
                             raise LeaseLost()
@@ -195,7 +196,8 @@ class Pipeline:
                         raise _NotAcquired(claim)
                     ctx = self._context(key, delivery, session, claim)
                     await spec.func(ctx)
-                    await session.flush()
+                    if session.new or session.dirty or session.deleted:  # ORM objects to write
+                        await session.flush()
                 metrics.HANDLER_SECONDS.labels(spec.source.name).observe(time.perf_counter() - started)
                 return Result(Outcome.PROCESSED, Settlement.ACK, key_digest=short(claim.digest))
             except _NotAcquired as not_acquired:

@@ -7,6 +7,7 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 from sqlalchemy import Column, Integer, MetaData, String, Table, func, select
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from consumer_kit import (
     ConsumerApp,
@@ -244,3 +245,38 @@ async def test_missing_id_is_parked(settings: Settings) -> None:
             Outcome.INVALID, Settlement.DEAD_LETTER, "missing_stable_id")
         assert await app.dead_letters.count(reason="missing_stable_id") == 1
         assert not runs
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class Ticket(Base):
+    __tablename__ = "test_orm_tickets"
+    id: Mapped[int] = mapped_column(primary_key=True, autoincrement=True)
+    key: Mapped[str] = mapped_column(String(50))
+
+
+@pytest.mark.parametrize("single", [False, True], ids=["two-txn", "one-txn"])
+async def test_orm_objects_commit_with_the_inbox_record(database_url: str, single: bool) -> None:
+    app = ConsumerApp(make_settings(database_url))
+    source = InMemorySource(namespace="orm", version=1)
+    fail = {"once": True}
+
+    @app.handler(source, single_transaction=single)
+    async def handle(ctx: Context) -> None:
+        ctx.db.add(Ticket(key=ctx.delivery.json()["key"]))
+        if fail["once"]:
+            fail["once"] = False
+            await ctx.db.flush()
+            raise ConnectionError("after the flush: must roll back")
+
+    async with app.running():
+        async with app.engine.begin() as conn:
+            await conn.run_sync(Base.metadata.drop_all)
+            await conn.run_sync(Base.metadata.create_all)
+        assert (await source.deliver(id="orm-0001", body=b'{"key": "T-1"}')).outcome is Outcome.PROCESSED
+        assert (await source.deliver(id="orm-0001", body=b'{"key": "T-1"}')).outcome is Outcome.DUPLICATE
+        async with app.engine.connect() as conn:
+            keys = (await conn.execute(select(Ticket.key))).scalars().all()
+        assert keys == ["T-1"]
