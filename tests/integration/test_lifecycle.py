@@ -28,7 +28,7 @@ async def test_stop_drains_in_flight_work(database_url: str) -> None:
 
     await app.start()
     delivery = asyncio.create_task(source.deliver(id="drain-0001", body=b"x"))
-    await entered.wait()
+    await asyncio.wait_for(entered.wait(), 10)
     await app.stop()
     assert (await delivery).outcome is Outcome.PROCESSED  # finished within the grace period
     try:
@@ -52,7 +52,7 @@ async def test_stop_past_grace_releases_the_lease(database_url: str) -> None:
 
     await app.start()
     delivery = asyncio.create_task(source.deliver(id="grace-0001", body=b"x"))
-    await entered.wait()
+    await asyncio.wait_for(entered.wait(), 10)
     await app.stop()
     assert delivery.cancelled() or isinstance(delivery.exception(), asyncio.CancelledError)
 

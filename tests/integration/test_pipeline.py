@@ -103,7 +103,7 @@ async def test_concurrent_instances_run_once(database_url: str) -> None:
     async with app1.running(), app2.running():
         await make_effects_table(app1)
         first = asyncio.create_task(source1.deliver(id="msg-0003", body=b'{"key": "T-3"}'))
-        await entered.wait()
+        await asyncio.wait_for(entered.wait(), 10)
         second = await source2.deliver(id="msg-0003", body=b'{"key": "T-3"}')
         assert (second.outcome, second.settlement) == (Outcome.IN_PROGRESS, Settlement.RETRY_LATER)
         assert second.delay is not None and second.delay > 0
@@ -130,7 +130,7 @@ async def test_takeover_after_crash_and_late_completion_rolls_back(database_url:
     async with app1.running(), app2.running():
         await make_effects_table(app1)
         first = asyncio.create_task(source1.deliver(id="msg-0004", body=b'{"key": "T-4"}'))
-        await entered.wait()
+        await asyncio.wait_for(entered.wait(), 10)
         await asyncio.sleep(0.5)  # the lease runs out
         taken = await source2.deliver(id="msg-0004", body=b'{"key": "T-4"}')
         assert taken.outcome is Outcome.PROCESSED
@@ -156,7 +156,7 @@ async def test_heartbeat_keeps_a_long_handler_alive(database_url: str) -> None:
     async with app1.running(), app2.running():
         await make_effects_table(app1)
         first = asyncio.create_task(source1.deliver(id="msg-0005", body=b'{"key": "T-5"}'))
-        await entered.wait()
+        await asyncio.wait_for(entered.wait(), 10)
         await asyncio.sleep(1.0)  # 2.5 leases: only renewals keep it
         assert (await source2.deliver(id="msg-0005", body=b'{"key": "T-5"}')).outcome is Outcome.IN_PROGRESS
         release.set()
