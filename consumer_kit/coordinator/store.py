@@ -1,0 +1,226 @@
+"""Every SQL statement of the embedded coordinator: receipts, governed resources, scope counts.
+
+A creation is one transaction: insert the receipt (``ON CONFLICT DO NOTHING`` on its primary key),
+insert the resource, then take a slot in the scope's counter. Two concurrent creations with one key
+meet on the receipt's primary key: PostgreSQL makes the second insert wait for the first to commit
+and then do nothing, so the second caller reads the committed receipt and replays it. The counter is
+updated last so that its row lock is held only until the commit.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import delete, func, select, update
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+from consumer_kit.coordinator.tables import coordinator_resources as resources
+from consumer_kit.coordinator.tables import idempotency_receipts as receipts
+from consumer_kit.coordinator.tables import idempotency_scopes as scopes
+from consumer_kit.store.inbox import Clock, utcnow
+
+
+@dataclass(frozen=True, slots=True)
+class Scope:
+    """Whose receipts these are: the authenticated tenant and application, and the operation."""
+
+    tenant: str
+    application: str
+    operation: str
+
+
+@dataclass(frozen=True, slots=True)
+class Found:
+    """A committed receipt (or, for ``created``, the one just written) and what it means now."""
+
+    verdict: str  # created | replayed | conflict | inactive | limit
+    resource_id: str = ""
+    status: str = ""
+    expires_at: datetime | None = None
+
+
+class _AtCap(Exception):
+    pass
+
+
+class ReceiptStore:
+    """Create, look up, end and sweep; one method per operation."""
+
+    def __init__(self, engine: AsyncEngine, *, clock: Clock = utcnow) -> None:
+        self.engine = engine
+        self.clock = clock
+        self._insert = postgresql.insert if engine.dialect.name == "postgresql" else sqlite.insert
+        self._pg = engine.dialect.name == "postgresql"
+
+    async def create(
+        self, scope: Scope, digests: Sequence[str], fingerprint: str, *, kind: str, ttl: timedelta,
+        retention: timedelta | None, generated: bool, cap: int,
+    ) -> Found:
+        """Create a resource under the key whose candidate digests are ``digests`` (current HMAC key
+        first), or report the committed receipt. ``retention=None`` creates without a receipt."""
+        for _ in range(3):  # a stale expired receipt is dropped and the insert tried again
+            now = self.clock()
+            resource_id = secrets.token_hex(16)
+            expires_at = now + ttl
+            response = {"id": resource_id, "status": "active", "expires_at": expires_at.isoformat()}
+            try:
+                async with self.engine.begin() as conn:
+                    if retention is not None:
+                        if len(digests) > 1:  # key rotation: a receipt under the previous key counts
+                            found = await self._find(conn, scope, digests[1:])
+                            if found is not None:
+                                return _verdict(found, fingerprint, now)
+                        inserted = await conn.execute(self._insert(receipts).values(
+                            tenant=scope.tenant, application=scope.application, operation=scope.operation,
+                            key_digest=digests[0], fingerprint=fingerprint, resource_id=resource_id,
+                            response=response, generated=generated, created_at=now,
+                            expires_at=now + retention,
+                        ).on_conflict_do_nothing())
+                        if inserted.rowcount != 1:
+                            raise _Existing()
+                    await conn.execute(resources.insert().values(
+                        id=resource_id, tenant=scope.tenant, application=scope.application, kind=kind,
+                        status="active", created_at=now, expires_at=expires_at,
+                    ))
+                    if retention is not None:
+                        await self._take_slot(conn, scope, cap, now)
+                return Found("created", resource_id, "active", expires_at)
+            except _AtCap:
+                return Found("limit")
+            except _Existing:
+                pass
+            async with self.engine.connect() as conn:
+                found = await self._find(conn, scope, digests)
+            if found is None:  # swept between the two statements: create after all
+                continue
+            now = self.clock()
+            if found["expires_at"] > now:
+                return _verdict(found, fingerprint, now)
+            await self._drop_expired(scope, found["key_digest"])
+        raise RuntimeError("receipt kept reappearing while expired")  # pragma: no cover
+
+    async def _find(self, conn: AsyncConnection, scope: Scope, digests: Sequence[str]) -> dict[str, Any] | None:
+        query = (
+            select(receipts.c.key_digest, receipts.c.fingerprint, receipts.c.resource_id, receipts.c.response,
+                   receipts.c.expires_at, resources.c.status.label("resource_status"),
+                   resources.c.expires_at.label("resource_expires_at"))
+            .select_from(receipts.outerjoin(resources, resources.c.id == receipts.c.resource_id))
+            .where(receipts.c.tenant == scope.tenant, receipts.c.application == scope.application,
+                   receipts.c.operation == scope.operation, receipts.c.key_digest.in_(digests))
+        )
+        rows = {row.key_digest: row._asdict() for row in await conn.execute(query)}
+        return next((rows[d] for d in digests if d in rows), None)
+
+    async def _take_slot(self, conn: AsyncConnection, scope: Scope, cap: int, now: datetime) -> None:
+        where = (scopes.c.tenant == scope.tenant, scopes.c.application == scope.application,
+                 scopes.c.operation == scope.operation)
+        taken = await conn.execute(update(scopes).where(*where, scopes.c.live < cap).values(live=scopes.c.live + 1))
+        if taken.rowcount == 1:
+            return
+        first = await conn.execute(self._insert(scopes).values(
+            tenant=scope.tenant, application=scope.application, operation=scope.operation, live=1,
+        ).on_conflict_do_nothing())
+        if first.rowcount == 1:
+            return
+        # At the cap: expired receipts no longer count, so reclaim this scope's before refusing.
+        freed = await self._delete_expired(conn, now, scope=scope, limit=None)
+        if freed and (await conn.execute(
+                update(scopes).where(*where, scopes.c.live < cap).values(live=scopes.c.live + 1))).rowcount == 1:
+            return
+        raise _AtCap()
+
+    async def _delete_expired(self, conn: AsyncConnection, now: datetime, *, scope: Scope | None,
+                              limit: int | None) -> int:
+        """Delete expired receipts (of one scope, or any) and give their slots back; returns how many."""
+        query = select(receipts.c.tenant, receipts.c.application, receipts.c.operation,
+                       receipts.c.key_digest).where(receipts.c.expires_at <= now)
+        if scope is not None:
+            query = query.where(receipts.c.tenant == scope.tenant, receipts.c.application == scope.application,
+                                receipts.c.operation == scope.operation)
+        if limit is not None:
+            query = query.order_by(receipts.c.expires_at).limit(limit)
+        if self._pg:  # the sweeper and a reclaiming creator never wait on each other's rows
+            query = query.with_for_update(skip_locked=True)
+        rows = (await conn.execute(query)).all()
+        by_scope: dict[Scope, list[str]] = {}
+        for row in rows:
+            by_scope.setdefault(Scope(row.tenant, row.application, row.operation), []).append(row.key_digest)
+        for owner, digests in sorted(by_scope.items(), key=lambda item: (item[0].tenant, item[0].application,
+                                                                         item[0].operation)):
+            await conn.execute(delete(receipts).where(
+                receipts.c.tenant == owner.tenant, receipts.c.application == owner.application,
+                receipts.c.operation == owner.operation, receipts.c.key_digest.in_(digests)))
+            await conn.execute(update(scopes).where(
+                scopes.c.tenant == owner.tenant, scopes.c.application == owner.application,
+                scopes.c.operation == owner.operation,
+            ).values(live=func.max(scopes.c.live - len(digests), 0) if not self._pg
+                     else func.greatest(scopes.c.live - len(digests), 0)))
+        return len(rows)
+
+    async def _drop_expired(self, scope: Scope, digest: str) -> None:
+        async with self.engine.begin() as conn:
+            gone = await conn.execute(delete(receipts).where(
+                receipts.c.tenant == scope.tenant, receipts.c.application == scope.application,
+                receipts.c.operation == scope.operation, receipts.c.key_digest == digest,
+                receipts.c.expires_at <= self.clock()))
+            if gone.rowcount:
+                await conn.execute(update(scopes).where(
+                    scopes.c.tenant == scope.tenant, scopes.c.application == scope.application,
+                    scopes.c.operation == scope.operation, scopes.c.live > 0).values(live=scopes.c.live - 1))
+
+    async def set_status(self, tenant: str, application: str, resource_id: str, status: str) -> bool:
+        """Move an active resource to ``ended`` or ``revoked``; ``False`` if no such resource is in scope.
+        Ending or revoking one that is no longer active changes nothing and is not an error."""
+        now = self.clock()
+        in_scope = (resources.c.id == resource_id, resources.c.tenant == tenant,
+                    resources.c.application == application)
+        async with self.engine.begin() as conn:
+            changed = await conn.execute(update(resources).where(*in_scope, resources.c.status == "active")
+                                         .values(status=status, ended_at=now))
+            if changed.rowcount == 1:
+                return True
+            return (await conn.execute(select(resources.c.id).where(*in_scope))).first() is not None
+
+    async def sweep(self, *, batch_size: int, max_batches: int | None = None) -> int:
+        """Delete expired receipts and resources in batches, each batch its own short transaction."""
+        total = 0
+        batches = 0
+        while max_batches is None or batches < max_batches:
+            now = self.clock()
+            async with self.engine.begin() as conn:
+                swept = await self._delete_expired(conn, now, scope=None, limit=batch_size)
+                stale = select(resources.c.id).where(resources.c.expires_at <= now).limit(batch_size)
+                ids = [row.id for row in await conn.execute(stale)]
+                if ids:
+                    await conn.execute(delete(resources).where(resources.c.id.in_(ids)))
+            total += swept
+            batches += 1
+            if swept < batch_size and len(ids) < batch_size:
+                break
+        return total
+
+    async def stats(self) -> tuple[int, datetime | None]:
+        """``(receipts, oldest created_at)`` over every scope, for the gauges."""
+        async with self.engine.connect() as conn:
+            row = (await conn.execute(select(func.count(), func.min(receipts.c.created_at)).select_from(receipts))).one()
+        oldest: datetime | None = row[1]
+        return int(row[0]), oldest
+
+
+class _Existing(Exception):
+    pass
+
+
+def _verdict(found: dict[str, Any], fingerprint: str, now: datetime) -> Found:
+    if found["fingerprint"] != fingerprint:
+        return Found("conflict", found["resource_id"])
+    expires = found["resource_expires_at"]
+    if found["resource_status"] != "active" or expires is None or expires <= now:
+        return Found("inactive", found["resource_id"])
+    response = found["response"]
+    return Found("replayed", response["id"], response["status"], datetime.fromisoformat(response["expires_at"]))
