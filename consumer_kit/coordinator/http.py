@@ -99,13 +99,13 @@ class HttpCoordinator(SessionScope):
         await self._call("POST", f"/v1/sessions/{session_id}/revoke", None, {})
 
     async def _create(self, path: str, payload: dict[str, Any], key: str | None) -> tuple[dict[str, Any], bool]:
-        headers: dict[str, str] = {}
+        headers: dict[str, str | bytes] = {}
         if key is None:
             key = generate_key()  # before the first attempt; every retry reuses it
             headers[GENERATED_HEADER] = "generated"
         else:
             validate_key(key)
-        headers["Idempotency-Key"] = key
+        headers["Idempotency-Key"] = key.encode("utf-8")
         response = await self._call("POST", path, payload, headers)
         body = response.json()
         if not isinstance(body, dict):
@@ -113,7 +113,7 @@ class HttpCoordinator(SessionScope):
         return body, response.headers.get("Idempotency-Replayed", "").lower() == "true"
 
     async def _call(self, method: str, path: str, payload: dict[str, Any] | None,
-                    headers: dict[str, str]) -> httpx.Response:
+                    headers: dict[str, str | bytes]) -> httpx.Response:
         budget = self.policy.budget()
         refreshed = False
         while True:

@@ -81,8 +81,9 @@ def create_app(coordinator: EmbeddedCoordinator, tokens: dict[str, tuple[str, st
         key = request.headers.get("idempotency-key")
         if key is not None:
             try:
-                validate_key(key)
-            except InvalidKey:
+                # Starlette decodes header bytes as latin-1; keys are UTF-8 (seed 000 counts UTF-8 bytes).
+                key = validate_key(key.encode("latin-1").decode("utf-8"))
+            except (InvalidKey, UnicodeError):
                 metrics.REQUESTS.labels("invalid").inc()
                 return _error(400, "invalid_idempotency_key")
         try:

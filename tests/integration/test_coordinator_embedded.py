@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 
@@ -190,3 +191,45 @@ async def test_session_context_manager_ends_on_clean_exit(engine: AsyncEngine, d
         async with coord.session(idempotency_key="k:failing", task="t") as receipt:
             raise RuntimeError("boom")
     assert (await coord.create_session(SessionRequest(task="t"), idempotency_key="k:failing")).replayed
+
+
+@pytest.mark.postgres
+async def test_concurrent_creations_with_one_key_make_one_session(pg_database: str) -> None:
+    """Real concurrency: 3 engines (separate pools), 24 simultaneous creations, one key."""
+    engines = [create_engine(pg_database) for _ in range(3)]
+    try:
+        settings = make_settings(pg_database)
+        coords = [EmbeddedCoordinator(e, settings) for e in engines]
+        start = asyncio.Event()
+
+        async def one(n: int) -> tuple[str, bool]:
+            await start.wait()
+            receipt = await coords[n % 3].create_session(REQUEST, idempotency_key=KEY)
+            return receipt.session_id, receipt.replayed
+
+        tasks = [asyncio.create_task(one(n)) for n in range(24)]
+        await asyncio.sleep(0.05)
+        start.set()
+        results = await asyncio.gather(*tasks)
+        assert len({session_id for session_id, _ in results}) == 1
+        assert sorted(replayed for _, replayed in results) == [False] + [True] * 23
+        assert await count(engines[0], coordinator_resources) == 1
+        assert await count(engines[0], idempotency_receipts) == 1
+    finally:
+        for engine in engines:
+            await engine.dispose()
+
+
+async def test_delegations_are_idempotent_too(engine: AsyncEngine, database_url: str) -> None:
+    from consumer_kit.coordinator import DelegationRequest
+
+    coord = coordinator(engine, make_settings(database_url))
+    session = await coord.create_session(REQUEST)
+    request = DelegationRequest(from_session_id=session.session_id, to_subject="agent-2", scopes=("read",))
+    first = await coord.create_delegation(request, idempotency_key=KEY)
+    again = await coord.create_delegation(request, idempotency_key=KEY)  # same key, other operation scope
+    assert again.replayed and again.delegation_id == first.delegation_id
+    with pytest.raises(IdempotencyKeyConflict):
+        await coord.create_delegation(request.model_copy(update={"to_subject": "agent-3"}), idempotency_key=KEY)
+    # the same key for a session is a different receipt (operation is part of the scope)
+    assert not (await coord.create_session(REQUEST, idempotency_key=KEY)).replayed
