@@ -99,10 +99,10 @@ class HttpCoordinator(SessionScope):
         await self._call("POST", f"/v1/sessions/{session_id}/revoke", None, {})
 
     async def _create(self, path: str, payload: dict[str, Any], key: str | None) -> tuple[dict[str, Any], bool]:
-        headers: dict[str, str | bytes] = {}
+        headers: dict[str, bytes] = {}
         if key is None:
             key = generate_key()  # before the first attempt; every retry reuses it
-            headers[GENERATED_HEADER] = "generated"
+            headers[GENERATED_HEADER] = b"generated"
         else:
             validate_key(key)
         headers["Idempotency-Key"] = key.encode("utf-8")
@@ -113,7 +113,7 @@ class HttpCoordinator(SessionScope):
         return body, response.headers.get("Idempotency-Replayed", "").lower() == "true"
 
     async def _call(self, method: str, path: str, payload: dict[str, Any] | None,
-                    headers: dict[str, str | bytes]) -> httpx.Response:
+                    headers: dict[str, bytes]) -> httpx.Response:
         budget = self.policy.budget()
         refreshed = False
         while True:
@@ -121,7 +121,8 @@ class HttpCoordinator(SessionScope):
             try:
                 response = await self._client.request(
                     method, self.base_url + path, json=payload,
-                    headers={**headers, "Authorization": f"Bearer {self._token}"},
+                    headers=[(name.encode("ascii"), value) for name, value in
+                             {**headers, "Authorization": f"Bearer {self._token}".encode()}.items()],
                 )
             except httpx.TransportError as exc:
                 failure = type(exc).__name__
