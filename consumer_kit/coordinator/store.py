@@ -15,14 +15,28 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import delete, func, select, update
-from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy import JSON, Boolean, bindparam, delete, func, select, text, update
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from consumer_kit.coordinator.tables import coordinator_resources as resources
 from consumer_kit.coordinator.tables import idempotency_receipts as receipts
 from consumer_kit.coordinator.tables import idempotency_scopes as scopes
 from consumer_kit.store.inbox import Clock, utcnow
+from consumer_kit.store.tables import UTCDateTime
+
+# The two ON CONFLICT inserts are text: SQLAlchemy recompiles its dialect-specific insert().on_conflict_*
+# constructs on every execution (they are not in its compiled cache), which doubled the cost of a
+# creation. The SQL is the same on SQLite and PostgreSQL; the bind types keep JSON and UTC handling.
+_INSERT_RECEIPT = text(
+    "INSERT INTO idempotency_receipts (tenant, application, operation, key_digest, fingerprint, resource_id, "
+    "response, generated, created_at, expires_at) VALUES (:tenant, :application, :operation, :key_digest, "
+    ":fingerprint, :resource_id, :response, :generated, :created_at, :expires_at) ON CONFLICT DO NOTHING"
+).bindparams(bindparam("response", type_=JSON()), bindparam("generated", type_=Boolean()),
+             bindparam("created_at", type_=UTCDateTime()), bindparam("expires_at", type_=UTCDateTime()))
+_INSERT_SCOPE = text(
+    "INSERT INTO idempotency_scopes (tenant, application, operation, live) "
+    "VALUES (:tenant, :application, :operation, 1) ON CONFLICT DO NOTHING"
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,7 +68,6 @@ class ReceiptStore:
     def __init__(self, engine: AsyncEngine, *, clock: Clock = utcnow) -> None:
         self.engine = engine
         self.clock = clock
-        self._insert = postgresql.insert if engine.dialect.name == "postgresql" else sqlite.insert
         self._pg = engine.dialect.name == "postgresql"
 
     async def create(
@@ -75,12 +88,12 @@ class ReceiptStore:
                             found = await self._find(conn, scope, digests[1:])
                             if found is not None:
                                 return _verdict(found, fingerprint, now)
-                        inserted = await conn.execute(self._insert(receipts).values(
+                        inserted = await conn.execute(_INSERT_RECEIPT, dict(
                             tenant=scope.tenant, application=scope.application, operation=scope.operation,
                             key_digest=digests[0], fingerprint=fingerprint, resource_id=resource_id,
                             response=response, generated=generated, created_at=now,
                             expires_at=now + retention,
-                        ).on_conflict_do_nothing())
+                        ))
                         if inserted.rowcount != 1:
                             raise _Existing()
                     await conn.execute(resources.insert().values(
@@ -119,18 +132,20 @@ class ReceiptStore:
     async def _take_slot(self, conn: AsyncConnection, scope: Scope, cap: int, now: datetime) -> None:
         where = (scopes.c.tenant == scope.tenant, scopes.c.application == scope.application,
                  scopes.c.operation == scope.operation)
-        taken = await conn.execute(update(scopes).where(*where, scopes.c.live < cap).values(live=scopes.c.live + 1))
-        if taken.rowcount == 1:
+        take = update(scopes).where(*where, scopes.c.live < cap).values(live=scopes.c.live + 1)
+        if (await conn.execute(take)).rowcount == 1:
             return
-        first = await conn.execute(self._insert(scopes).values(
-            tenant=scope.tenant, application=scope.application, operation=scope.operation, live=1,
-        ).on_conflict_do_nothing())
+        first = await conn.execute(_INSERT_SCOPE, dict(
+            tenant=scope.tenant, application=scope.application, operation=scope.operation))
         if first.rowcount == 1:
+            return
+        # Another creation made the scope's row while we looked (the insert waited for it to commit):
+        # the row is visible to a new statement now.
+        if (await conn.execute(take)).rowcount == 1:
             return
         # At the cap: expired receipts no longer count, so reclaim this scope's before refusing.
         freed = await self._delete_expired(conn, now, scope=scope, limit=None)
-        if freed and (await conn.execute(
-                update(scopes).where(*where, scopes.c.live < cap).values(live=scopes.c.live + 1))).rowcount == 1:
+        if freed and (await conn.execute(take)).rowcount == 1:
             return
         raise _AtCap()
 

@@ -220,6 +220,24 @@ async def test_concurrent_creations_with_one_key_make_one_session(pg_database: s
             await engine.dispose()
 
 
+@pytest.mark.postgres
+async def test_concurrent_first_creations_of_a_scope_share_its_counter(pg_database: str) -> None:
+    """The scope's counter row is created by one of many simultaneous first creations; none is refused."""
+    engine = create_engine(pg_database)
+    try:
+        coord = EmbeddedCoordinator(engine, make_settings(pg_database, idempotency_max_receipts_per_scope=30))
+        results = await asyncio.gather(*(coord.create_session(REQUEST, idempotency_key=f"k:{n}") for n in range(16)))
+        assert not any(r.replayed for r in results)
+        more = await asyncio.gather(*(coord.create_session(REQUEST, idempotency_key=f"k:{n}")
+                                      for n in range(16, 40)), return_exceptions=True)
+        refused = [r for r in more if isinstance(r, ReceiptLimitExceeded)]
+        assert len(refused) == 10  # the cap holds exactly under concurrency: 30 live receipts
+        assert await count(engine, idempotency_receipts) == 30
+        assert await count(engine, coordinator_resources) == 30
+    finally:
+        await engine.dispose()
+
+
 async def test_delegations_are_idempotent_too(engine: AsyncEngine, database_url: str) -> None:
     from consumer_kit.coordinator import DelegationRequest
 
