@@ -76,45 +76,48 @@ class ReceiptStore:
     ) -> Found:
         """Create a resource under the key whose candidate digests are ``digests`` (current HMAC key
         first), or report the committed receipt. ``retention=None`` creates without a receipt."""
-        for _ in range(3):  # a stale expired receipt is dropped and the insert tried again
-            now = self.clock()
-            resource_id = secrets.token_hex(16)
-            expires_at = now + ttl
-            response = {"id": resource_id, "status": "active", "expires_at": expires_at.isoformat()}
-            try:
-                async with self.engine.begin() as conn:
-                    if retention is not None:
-                        if len(digests) > 1:  # key rotation: a receipt under the previous key counts
-                            found = await self._find(conn, scope, digests[1:])
-                            if found is not None:
-                                return _verdict(found, fingerprint, now)
-                        inserted = await conn.execute(_INSERT_RECEIPT, dict(
-                            tenant=scope.tenant, application=scope.application, operation=scope.operation,
-                            key_digest=digests[0], fingerprint=fingerprint, resource_id=resource_id,
-                            response=response, generated=generated, created_at=now,
-                            expires_at=now + retention,
+        # One connection for the whole call: a replay costs no second pool checkout.
+        async with self.engine.connect() as conn:
+            for _ in range(3):  # a stale expired receipt is dropped and the insert tried again
+                now = self.clock()
+                resource_id = secrets.token_hex(16)
+                expires_at = now + ttl
+                response = {"id": resource_id, "status": "active", "expires_at": expires_at.isoformat()}
+                try:
+                    async with conn.begin():
+                        if retention is not None:
+                            if len(digests) > 1:  # key rotation: a receipt under the previous key counts
+                                found = await self._find(conn, scope, digests[1:])
+                                if found is not None:
+                                    return _verdict(found, fingerprint, now)
+                            inserted = await conn.execute(_INSERT_RECEIPT, dict(
+                                tenant=scope.tenant, application=scope.application, operation=scope.operation,
+                                key_digest=digests[0], fingerprint=fingerprint, resource_id=resource_id,
+                                response=response, generated=generated, created_at=now,
+                                expires_at=now + retention,
+                            ))
+                            if inserted.rowcount != 1:
+                                raise _Existing()
+                        await conn.execute(resources.insert().values(
+                            id=resource_id, tenant=scope.tenant, application=scope.application, kind=kind,
+                            status="active", created_at=now, expires_at=expires_at,
                         ))
-                        if inserted.rowcount != 1:
-                            raise _Existing()
-                    await conn.execute(resources.insert().values(
-                        id=resource_id, tenant=scope.tenant, application=scope.application, kind=kind,
-                        status="active", created_at=now, expires_at=expires_at,
-                    ))
-                    if retention is not None:
-                        await self._take_slot(conn, scope, cap, now)
-                return Found("created", resource_id, "active", expires_at)
-            except _AtCap:
-                return Found("limit")
-            except _Existing:
-                pass
-            async with self.engine.connect() as conn:
-                found = await self._find(conn, scope, digests)
-            if found is None:  # swept between the two statements: create after all
-                continue
-            now = self.clock()
-            if found["expires_at"] > now:
-                return _verdict(found, fingerprint, now)
-            await self._drop_expired(scope, found["key_digest"])
+                        if retention is not None:
+                            await self._take_slot(conn, scope, cap, now)
+                    return Found("created", resource_id, "active", expires_at)
+                except _AtCap:
+                    return Found("limit")
+                except _Existing:
+                    pass
+                # The insert found a committed receipt (or waited for a concurrent one to commit).
+                async with conn.begin():
+                    found = await self._find(conn, scope, digests)
+                    if found is None:  # swept between the two statements: create after all
+                        continue
+                    now = self.clock()
+                    if found["expires_at"] > now:
+                        return _verdict(found, fingerprint, now)
+                    await self._drop_expired(conn, scope, found["key_digest"], now)
         raise RuntimeError("receipt kept reappearing while expired")  # pragma: no cover
 
     async def _find(self, conn: AsyncConnection, scope: Scope, digests: Sequence[str]) -> dict[str, Any] | None:
@@ -177,16 +180,15 @@ class ReceiptStore:
                      else func.greatest(scopes.c.live - len(digests), 0)))
         return len(rows)
 
-    async def _drop_expired(self, scope: Scope, digest: str) -> None:
-        async with self.engine.begin() as conn:
-            gone = await conn.execute(delete(receipts).where(
-                receipts.c.tenant == scope.tenant, receipts.c.application == scope.application,
-                receipts.c.operation == scope.operation, receipts.c.key_digest == digest,
-                receipts.c.expires_at <= self.clock()))
-            if gone.rowcount:
-                await conn.execute(update(scopes).where(
-                    scopes.c.tenant == scope.tenant, scopes.c.application == scope.application,
-                    scopes.c.operation == scope.operation, scopes.c.live > 0).values(live=scopes.c.live - 1))
+    async def _drop_expired(self, conn: AsyncConnection, scope: Scope, digest: str, now: datetime) -> None:
+        gone = await conn.execute(delete(receipts).where(
+            receipts.c.tenant == scope.tenant, receipts.c.application == scope.application,
+            receipts.c.operation == scope.operation, receipts.c.key_digest == digest,
+            receipts.c.expires_at <= now))
+        if gone.rowcount:
+            await conn.execute(update(scopes).where(
+                scopes.c.tenant == scope.tenant, scopes.c.application == scope.application,
+                scopes.c.operation == scope.operation, scopes.c.live > 0).values(live=scopes.c.live - 1))
 
     async def set_status(self, tenant: str, application: str, resource_id: str, status: str) -> bool:
         """Move an active resource to ``ended`` or ``revoked``; ``False`` if no such resource is in scope.
