@@ -17,7 +17,6 @@ import logging
 import os
 import secrets
 import signal
-import subprocess
 import sys
 from datetime import UTC, datetime, timedelta
 
@@ -83,8 +82,9 @@ async def served(url: str, keys: list[str]) -> float:
     env = {**os.environ, "DATABASE_URL": url, "IDEMPOTENCY_HMAC_KEY": HMAC_KEY,
            "COORDINATOR_TOKENS": json.dumps({"bench-token": "bench/http"}),
            "IDEMPOTENCY_MAX_RECEIPTS_PER_SCOPE": str(10 * N), "DB_POOL_SIZE": str(CONCURRENCY)}
-    server = subprocess.Popen([sys.executable, "-m", "consumer_kit.cli", "--log-level", "WARNING",
-                               "coordinator", "serve", "--port", str(port)], env=env)
+    server = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "consumer_kit.cli", "--log-level", "WARNING", "coordinator", "serve",
+        "--port", str(port), env=env)
     base = f"http://127.0.0.1:{port}"
     try:
         async with httpx.AsyncClient(limits=httpx.Limits(max_connections=CONCURRENCY)) as http:
@@ -100,7 +100,7 @@ async def served(url: str, keys: list[str]) -> float:
                                CONCURRENCY)
     finally:
         server.send_signal(signal.SIGTERM)
-        server.wait(timeout=30)
+        await asyncio.wait_for(server.wait(), timeout=30)
 
 
 async def main() -> bool:

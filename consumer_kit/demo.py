@@ -81,11 +81,17 @@ async def run_demo() -> int:
                 await conn.run_sync(_metadata.create_all)
             report.proofs += await _coordinator_steps(app)
             harness = RecipeHarness(app, source, effects=effect_count, prefix="m")
-            pipeline = await harness.run(body=b'{"key": "T-1"}', changed_body=b'{"key": "T-2"}')
-            report.proofs += [Proof(f"pipeline: {p.step}", p.expected, p.observed) for p in pipeline.proofs]
+            body, changed = b'{"key": "T-1"}', b'{"key": "T-2"}'
+            pipeline = await harness.prove_replay(body) + await harness.prove_conflict(body, changed)
+            pipeline += await harness.prove_inactive(body)
+            before = await effect_count()
+            pipeline += await harness.prove_effect_once(body)
+            effects = await effect_count() - before
+            report.proofs += [Proof(f"pipeline: {p.step}", p.expected, p.observed) for p in pipeline]
             unkeyed = await source.deliver(id=None, body=b'{"key": "T-3"}')
             report.proofs.append(Proof("pipeline: no stable id", "invalid, dead_letter",
                                        f"{unkeyed.outcome.value}, {unkeyed.settlement.value}"))
         print(report.table())
-        print("OK: retries are harmless" if report.ok else "FAILED")
-        return 0 if report.ok else 1
+        print(f"destination effect count: {effects} (expected 1: one crash and three redeliveries of one work item)")
+        print("OK: retries are harmless" if report.ok and effects == 1 else "FAILED")
+        return 0 if report.ok and effects == 1 else 1

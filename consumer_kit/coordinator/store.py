@@ -224,7 +224,8 @@ class ReceiptStore:
     async def stats(self) -> tuple[int, datetime | None]:
         """``(receipts, oldest created_at)`` over every scope, for the gauges."""
         async with self.engine.connect() as conn:
-            row = (await conn.execute(select(func.count(), func.min(receipts.c.created_at)).select_from(receipts))).one()
+            query = select(func.count(), func.min(receipts.c.created_at)).select_from(receipts)
+            row = (await conn.execute(query)).one()
         oldest: datetime | None = row[1]
         return int(row[0]), oldest
 

@@ -45,7 +45,8 @@ class Misbehaving:
                 head = await reader.readuntil(b"\r\n\r\n")
                 lines = head.decode("latin-1").split("\r\n")
                 method, path, _ = lines[0].split(" ", 2)
-                headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:] if line)}
+                fields = (line.partition(":") for line in lines[1:] if line)
+                headers = {k.strip().lower(): v.strip() for k, _, v in fields}
                 body = await reader.readexactly(int(headers.get("content-length", "0")))
                 raw_key = next((line.partition(":")[2].strip().encode("latin-1") for line in lines[1:]
                                 if line.lower().startswith("idempotency-key:")), None)
