@@ -13,6 +13,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from datetime import datetime
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 
@@ -92,11 +93,11 @@ class HttpCoordinator(SessionScope):
 
     async def end_session(self, session_id: str) -> None:
         """See :meth:`Coordinator.end_session` (idempotent, so retried like a creation)."""
-        await self._call("POST", f"/v1/sessions/{session_id}/end", None, {})
+        await self._call("POST", f"/v1/sessions/{quote(session_id, safe='')}/end", None, {})
 
     async def revoke_session(self, session_id: str) -> None:
         """See :meth:`Coordinator.revoke_session`."""
-        await self._call("POST", f"/v1/sessions/{session_id}/revoke", None, {})
+        await self._call("POST", f"/v1/sessions/{quote(session_id, safe='')}/revoke", None, {})
 
     async def _create(self, path: str, payload: dict[str, Any], key: str | None) -> tuple[dict[str, Any], bool]:
         headers: dict[str, bytes] = {}

@@ -95,14 +95,15 @@ def create_app(coordinator: EmbeddedCoordinator, tokens: dict[str, tuple[str, st
         generated = request.headers.get(GENERATED_HEADER, "").lower() == "generated"
         try:
             if operation == "session":
-                receipt = await scoped.create_session(
+                session = await scoped.create_session(
                     SessionRequest.model_validate(payload), idempotency_key=key, generated_key=generated)
-                body = {"session_id": receipt.session_id, "status": receipt.status,
-                        "expires_at": receipt.expires_at.isoformat()}
+                replayed = session.replayed
+                body = {"session_id": session.session_id, "status": session.status,
+                        "expires_at": session.expires_at.isoformat()}
             else:
                 delegation = await scoped.create_delegation(
                     DelegationRequest.model_validate(payload), idempotency_key=key, generated_key=generated)
-                receipt = delegation  # type: ignore[assignment]
+                replayed = delegation.replayed
                 body = {"delegation_id": delegation.delegation_id, "status": delegation.status,
                         "expires_at": delegation.expires_at.isoformat()}
         except ValidationError:
@@ -111,7 +112,7 @@ def create_app(coordinator: EmbeddedCoordinator, tokens: dict[str, tuple[str, st
             return _error(429, ReceiptLimitExceeded.code)
         except CoordinatorRejected as exc:
             return _error(exc.status or 400, exc.code)
-        headers = {"Idempotency-Replayed": "true"} if receipt.replayed else {}
+        headers = {"Idempotency-Replayed": "true"} if replayed else {}
         return JSONResponse(body, status_code=201, headers=headers)
 
     async def sessions(request: Request) -> Response:

@@ -203,3 +203,17 @@ async def test_bearer_refreshed_once(base_url: str) -> None:
         await coord.create_session(REQUEST, idempotency_key=KEY)
     assert caught.value.status == 401 and refreshes == [1, 2]
     await coord.aclose()
+
+
+async def test_delegations_over_http(base_url: str) -> None:
+    from consumer_kit.coordinator import DelegationRequest
+
+    coord = client(base_url)
+    session = await coord.create_session(REQUEST)
+    request = DelegationRequest(from_session_id=session.session_id, to_subject="agent-2", scopes=("read",))
+    first = await coord.create_delegation(request, idempotency_key=KEY)
+    again = await coord.create_delegation(request, idempotency_key=KEY)
+    assert not first.replayed and again.replayed and again.delegation_id == first.delegation_id
+    with pytest.raises(IdempotencyKeyConflict):
+        await coord.create_delegation(request.model_copy(update={"scopes": ("write",)}), idempotency_key=KEY)
+    await coord.aclose()
