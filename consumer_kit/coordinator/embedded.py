@@ -96,7 +96,9 @@ class EmbeddedCoordinator(SessionScope):
     async def sweep(self) -> int:
         """Delete expired receipts and resources in batches, then refresh the gauges."""
         try:
-            swept = await self.store.sweep(batch_size=self.settings.sweep_batch_size)
+            cap = self.settings.idempotency_max_receipts_per_scope
+            swept = await self.store.sweep(batch_size=self.settings.sweep_batch_size, cap=cap)
+            await self.store.reopen(cap)
             count, oldest = await self.store.stats()
         except Exception:
             metrics.SWEEPER_FAILURES.inc()

@@ -45,12 +45,20 @@ _PG_CREATE = (
 )
 _PG_TAKE_SLOT = (
     "UPDATE idempotency_scopes SET live = live + 1"
-    " WHERE tenant = $1 AND application = $2 AND operation = $3 AND live < $4"
+    " WHERE tenant = $1 AND application = $2 AND operation = $3 AND stripe = $4 AND live < $5 AND NOT closed"
 )
-_INSERT_SCOPE = text(
-    "INSERT INTO idempotency_scopes (tenant, application, operation, live) "
-    "VALUES (:tenant, :application, :operation, 1) ON CONFLICT DO NOTHING"
+_INSERT_STRIPES = text(
+    "INSERT INTO idempotency_scopes (tenant, application, operation, stripe, live, closed) "
+    "VALUES (:tenant, :application, :operation, :stripe, 0, false) ON CONFLICT DO NOTHING"
 )
+
+STRIPES = 16
+"""Rows the live-receipt count of one scope is spread over (see ReceiptStore._take_slot)."""
+
+
+def stripe_of(digest: str) -> int:
+    """The count stripe a receipt belongs to, from its stored key digest."""
+    return int(digest[:8], 16) % STRIPES
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,7 +135,7 @@ class ReceiptStore:
                             status="active", created_at=now, expires_at=expires_at,
                         ))
                         if retention is not None:
-                            await self._take_slot(conn, scope, cap, now)
+                            await self._take_slot(conn, scope, stripe_of(digests[0]), cap, now)
                     return Found("created", resource_id, "active", expires_at)
                 except _AtCap:
                     return Found("limit")
@@ -167,7 +175,8 @@ class ReceiptStore:
             if status != "INSERT 0 1":
                 await transaction.rollback()
                 return "existing"
-            slot = await driver.execute(_PG_TAKE_SLOT, scope.tenant, scope.application, scope.operation, cap)
+            slot = await driver.execute(_PG_TAKE_SLOT, scope.tenant, scope.application, scope.operation,
+                                        stripe_of(digest), cap // STRIPES)
             if slot != "UPDATE 1":
                 await transaction.rollback()
                 return "slow"
@@ -190,25 +199,49 @@ class ReceiptStore:
         rows = {row.key_digest: row._asdict() for row in await conn.execute(query)}
         return next((rows[d] for d in digests if d in rows), None)
 
-    async def _take_slot(self, conn: AsyncConnection, scope: Scope, cap: int, now: datetime) -> None:
+    async def _take_slot(self, conn: AsyncConnection, scope: Scope, stripe: int, cap: int, now: datetime) -> None:
+        """Count one more live receipt in ``scope`` or raise ``_AtCap``.
+
+        The count is striped over ``STRIPES`` rows so that concurrent creations do not all wait for
+        one row lock held through each commit. While every stripe stays within its share
+        (``cap // STRIPES``) the sum cannot pass the cap, so a creation only bumps its own stripe.
+        A full stripe takes the exact path: lock every stripe of the scope, sum, reclaim expired
+        receipts if needed, and once a stripe goes past its share mark the scope ``closed`` so
+        that every creation is counted exactly until the sweeper finds all stripes within share.
+        """
         where = (scopes.c.tenant == scope.tenant, scopes.c.application == scope.application,
                  scopes.c.operation == scope.operation)
-        take = update(scopes).where(*where, scopes.c.live < cap).values(live=scopes.c.live + 1)
-        if (await conn.execute(take)).rowcount == 1:
+        share = cap // STRIPES
+        if share and (await conn.execute(update(scopes).where(
+                *where, scopes.c.stripe == stripe, scopes.c.live < share, scopes.c.closed.is_(False),
+        ).values(live=scopes.c.live + 1))).rowcount == 1:
             return
-        first = await conn.execute(_INSERT_SCOPE, dict(
-            tenant=scope.tenant, application=scope.application, operation=scope.operation))
-        if first.rowcount == 1:
-            return
-        # Another creation made the scope's row while we looked (the insert waited for it to commit):
-        # the row is visible to a new statement now.
-        if (await conn.execute(take)).rowcount == 1:
-            return
-        # At the cap: expired receipts no longer count, so reclaim this scope's before refusing.
-        freed = await self._delete_expired(conn, now, scope=scope, limit=None)
-        if freed and (await conn.execute(take)).rowcount == 1:
-            return
-        raise _AtCap()
+        await conn.execute(_INSERT_STRIPES, [dict(tenant=scope.tenant, application=scope.application,
+                                                  operation=scope.operation, stripe=k) for k in range(STRIPES)])
+        locked = select(scopes.c.live).where(*where).order_by(scopes.c.stripe).with_for_update()
+        total = sum(row.live for row in await conn.execute(locked))
+        if total >= cap:  # expired receipts no longer count: reclaim this scope's before refusing
+            total -= await self._delete_expired(conn, now, scope=scope, limit=None)
+            if total >= cap:
+                raise _AtCap()
+        await conn.execute(update(scopes).where(*where, scopes.c.stripe == stripe).values(live=scopes.c.live + 1))
+        highest = (await conn.execute(select(func.max(scopes.c.live)).where(*where))).scalar_one()
+        await conn.execute(update(scopes).where(*where).values(closed=bool(highest > share)))
+
+    async def reopen(self, cap: int) -> None:
+        """Let closed scopes whose stripes are all back within their share use the striped path again."""
+        share = cap // STRIPES
+        async with self.engine.begin() as conn:
+            closed = (await conn.execute(select(scopes.c.tenant, scopes.c.application, scopes.c.operation)
+                                         .where(scopes.c.closed.is_(True)).distinct())).all()
+        for row in closed:
+            where = (scopes.c.tenant == row.tenant, scopes.c.application == row.application,
+                     scopes.c.operation == row.operation)
+            async with self.engine.begin() as conn:
+                lives = [r.live for r in await conn.execute(
+                    select(scopes.c.live).where(*where).order_by(scopes.c.stripe).with_for_update())]
+                if lives and max(lives) <= share:
+                    await conn.execute(update(scopes).where(*where).values(closed=False))
 
     async def _delete_expired(self, conn: AsyncConnection, now: datetime, *, scope: Scope | None,
                               limit: int | None) -> int:
@@ -223,17 +256,17 @@ class ReceiptStore:
         if self._pg:  # the sweeper and a reclaiming creator never wait on each other's rows
             query = query.with_for_update(skip_locked=True)
         rows = (await conn.execute(query)).all()
-        by_scope: dict[Scope, list[str]] = {}
+        by_stripe: dict[tuple[str, str, str, int], list[str]] = {}
         for row in rows:
-            by_scope.setdefault(Scope(row.tenant, row.application, row.operation), []).append(row.key_digest)
-        for owner, digests in sorted(by_scope.items(), key=lambda item: (item[0].tenant, item[0].application,
-                                                                         item[0].operation)):
+            owner = (row.tenant, row.application, row.operation, stripe_of(row.key_digest))
+            by_stripe.setdefault(owner, []).append(row.key_digest)
+        for (tenant, application, operation, stripe), digests in sorted(by_stripe.items()):
             await conn.execute(delete(receipts).where(
-                receipts.c.tenant == owner.tenant, receipts.c.application == owner.application,
-                receipts.c.operation == owner.operation, receipts.c.key_digest.in_(digests)))
+                receipts.c.tenant == tenant, receipts.c.application == application,
+                receipts.c.operation == operation, receipts.c.key_digest.in_(digests)))
             await conn.execute(update(scopes).where(
-                scopes.c.tenant == owner.tenant, scopes.c.application == owner.application,
-                scopes.c.operation == owner.operation,
+                scopes.c.tenant == tenant, scopes.c.application == application,
+                scopes.c.operation == operation, scopes.c.stripe == stripe,
             ).values(live=func.max(scopes.c.live - len(digests), 0) if not self._pg
                      else func.greatest(scopes.c.live - len(digests), 0)))
         return len(rows)
@@ -246,7 +279,8 @@ class ReceiptStore:
         if gone.rowcount:
             await conn.execute(update(scopes).where(
                 scopes.c.tenant == scope.tenant, scopes.c.application == scope.application,
-                scopes.c.operation == scope.operation, scopes.c.live > 0).values(live=scopes.c.live - 1))
+                scopes.c.operation == scope.operation, scopes.c.stripe == stripe_of(digest),
+                scopes.c.live > 0).values(live=scopes.c.live - 1))
 
     async def set_status(self, tenant: str, application: str, resource_id: str, status: str) -> bool:
         """Move an active resource to ``ended`` or ``revoked``; ``False`` if no such resource is in scope.
@@ -261,7 +295,7 @@ class ReceiptStore:
                 return True
             return (await conn.execute(select(resources.c.id).where(*in_scope))).first() is not None
 
-    async def sweep(self, *, batch_size: int, max_batches: int | None = None) -> int:
+    async def sweep(self, *, batch_size: int, cap: int, max_batches: int | None = None) -> int:
         """Delete expired receipts and resources in batches, each batch its own short transaction."""
         total = 0
         batches = 0

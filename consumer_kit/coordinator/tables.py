@@ -38,13 +38,16 @@ idempotency_receipts = Table(
     Index("ix_idempotency_receipts_expires_at", "expires_at"),
 )
 
-# One row per scope counting its live receipts: the cap is one row update instead of a COUNT over
-# up to IDEMPOTENCY_MAX_RECEIPTS_PER_SCOPE index entries on every creation.
+# Live receipts per scope, counted over a few stripe rows: the cap costs one row update per creation
+# instead of a COUNT over up to IDEMPOTENCY_MAX_RECEIPTS_PER_SCOPE index entries, and concurrent
+# creations do not queue on one row lock (see consumer_kit.coordinator.store).
 idempotency_scopes = Table(
     "idempotency_scopes",
     metadata,
     Column("tenant", String(200), primary_key=True),
     Column("application", String(200), primary_key=True),
     Column("operation", String(16), primary_key=True),
+    Column("stripe", Integer, primary_key=True),
     Column("live", Integer, nullable=False),
+    Column("closed", Boolean, nullable=False),  # counted exactly under all stripe locks while set
 )

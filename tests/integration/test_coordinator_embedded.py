@@ -238,6 +238,32 @@ async def test_concurrent_first_creations_of_a_scope_share_its_counter(pg_databa
         await engine.dispose()
 
 
+async def test_striped_cap_is_exact_and_reopens_after_sweep(engine: AsyncEngine, database_url: str) -> None:
+    """A cap of 64 spreads over 16 stripes of 4: the fast path fills stripes, the exact path takes
+    over when one is full, the 65th creation is refused, and after the receipts expire and the
+    sweeper runs the scope takes creations again."""
+    from consumer_kit.coordinator.tables import idempotency_scopes
+
+    clock = Clock()
+    settings = make_settings(database_url, idempotency_max_receipts_per_scope=64, idempotency_retention_seconds=60)
+    coord = coordinator(engine, settings, clock)
+    results = await asyncio.gather(*(coord.create_session(REQUEST, idempotency_key=f"k:{n}") for n in range(90)),
+                                   return_exceptions=True)
+    assert sum(isinstance(r, ReceiptLimitExceeded) for r in results) == 26
+    assert not [r for r in results if isinstance(r, Exception) and not isinstance(r, ReceiptLimitExceeded)]
+    assert await count(engine, idempotency_receipts) == 64
+    async with engine.connect() as conn:
+        lives = [r.live for r in await conn.execute(select(idempotency_scopes.c.live, idempotency_scopes.c.closed))]
+        closed = {r.closed for r in await conn.execute(select(idempotency_scopes.c.closed))}
+    assert sum(lives) == 64 and closed == {True}
+    clock.now += timedelta(seconds=61)
+    assert await coord.sweep() == 64
+    async with engine.connect() as conn:
+        rows = (await conn.execute(select(idempotency_scopes.c.live, idempotency_scopes.c.closed))).all()
+    assert {(r.live, r.closed) for r in rows} == {(0, False)}
+    await coord.create_session(REQUEST, idempotency_key="k:after")
+
+
 async def test_delegations_are_idempotent_too(engine: AsyncEngine, database_url: str) -> None:
     from consumer_kit.coordinator import DelegationRequest
 

@@ -1,4 +1,4 @@
-"""The embedded coordinator: governed resources, idempotency receipts and per-scope receipt counts.
+"""The embedded coordinator: governed resources, idempotency receipts and per-scope receipt counts (striped).
 
 Revision ID: 0002_receipts
 Revises: 0001_core
@@ -53,8 +53,10 @@ def upgrade() -> None:
         sa.Column("tenant", sa.String(200), nullable=False),
         sa.Column("application", sa.String(200), nullable=False),
         sa.Column("operation", sa.String(16), nullable=False),
+        sa.Column("stripe", sa.Integer(), nullable=False),
         sa.Column("live", sa.Integer(), nullable=False),
-        sa.PrimaryKeyConstraint("tenant", "application", "operation", name="pk_idempotency_scopes"),
+        sa.Column("closed", sa.Boolean(), nullable=False),
+        sa.PrimaryKeyConstraint("tenant", "application", "operation", "stripe", name="pk_idempotency_scopes"),
     )
 
 
