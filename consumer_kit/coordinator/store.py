@@ -36,16 +36,26 @@ _INSERT_RECEIPT = text(
              bindparam("created_at", type_=UTCDateTime()), bindparam("expires_at", type_=UTCDateTime()))
 # PostgreSQL fast path (see ReceiptStore._create_pg), spoken to asyncpg directly: SQLAlchemy's
 # async execution costs several times asyncpg's CPU per statement, and creation is the hot path.
+# One statement in autocommit: the slot, the receipt and the resource commit together or not at all.
 _PG_CREATE = (
-    "WITH receipt AS (INSERT INTO idempotency_receipts (tenant, application, operation, key_digest, fingerprint,"
-    " resource_id, response, generated, created_at, expires_at)"
-    " VALUES ($1, $2, $3, $4, $5, $6, $7::json, $8, $9, $10) ON CONFLICT DO NOTHING RETURNING resource_id)"
-    " INSERT INTO coordinator_resources (id, tenant, application, kind, status, created_at, expires_at)"
-    " SELECT resource_id, $1, $2, $11, 'active', $9, $12 FROM receipt"
+    "WITH existing AS (SELECT r.fingerprint, r.resource_id, r.response::text AS response, r.expires_at,"
+    "  s.status AS resource_status, s.expires_at AS resource_expires_at"
+    "  FROM idempotency_receipts r LEFT JOIN coordinator_resources s ON s.id = r.resource_id"
+    "  WHERE r.tenant = $1 AND r.application = $2 AND r.operation = $3 AND r.key_digest = $4),"
+    " slot AS (UPDATE idempotency_scopes SET live = live + 1"
+    "  WHERE tenant = $1 AND application = $2 AND operation = $3 AND stripe = $13 AND live < $14"
+    "  AND NOT closed AND NOT EXISTS (SELECT 1 FROM existing) RETURNING 1),"
+    " receipt AS (INSERT INTO idempotency_receipts (tenant, application, operation, key_digest, fingerprint,"
+    "  resource_id, response, generated, created_at, expires_at)"
+    "  SELECT $1, $2, $3, $4, $5, $6, $7::json, $8, $9, $10 FROM slot ON CONFLICT DO NOTHING RETURNING resource_id),"
+    " resource AS (INSERT INTO coordinator_resources (id, tenant, application, kind, status, created_at, expires_at)"
+    "  SELECT resource_id, $1, $2, $11, 'active', $9, $12 FROM receipt RETURNING 1)"
+    " SELECT e.*, (SELECT count(*) FROM slot) AS slot, (SELECT count(*) FROM resource) AS created"
+    " FROM (SELECT 1) AS one LEFT JOIN existing e ON true"
 )
-_PG_TAKE_SLOT = (
-    "UPDATE idempotency_scopes SET live = live + 1"
-    " WHERE tenant = $1 AND application = $2 AND operation = $3 AND stripe = $4 AND live < $5 AND NOT closed"
+_PG_GIVE_BACK = (
+    "UPDATE idempotency_scopes SET live = live - 1"
+    " WHERE tenant = $1 AND application = $2 AND operation = $3 AND stripe = $4 AND live > 0"
 )
 _INSERT_STRIPES = text(
     "INSERT INTO idempotency_scopes (tenant, application, operation, stripe, live, closed) "
@@ -156,36 +166,31 @@ class ReceiptStore:
         self, conn: AsyncConnection, scope: Scope, digest: str, fingerprint: str, *, kind: str, ttl: timedelta,
         retention: timedelta, generated: bool, cap: int,
     ) -> Found | str:
-        """PostgreSQL's common case on the asyncpg connection underneath ``conn``: a new key in a scope
-        with room. Receipt and resource are one statement, the slot a second, in one transaction.
-        Returns "existing" when the key has a receipt, "slow" for everything else (first creation of
-        the scope, at the cap): the portable path then handles it."""
+        """PostgreSQL's common case, one autocommitted statement on the asyncpg connection underneath
+        ``conn``: a new key whose stripe has room takes the slot, writes the receipt and the resource.
+        Returns "existing" when the key already had a receipt, "slow" for everything else (first
+        creation of the scope, a full stripe, a closed scope): the portable path handles those."""
         driver = (await conn.get_raw_connection()).driver_connection
         assert driver is not None
         now = self.clock()
         resource_id = secrets.token_hex(16)
         expires_at = now + ttl
         response = json.dumps({"id": resource_id, "status": "active", "expires_at": expires_at.isoformat()})
-        transaction = driver.transaction()
-        await transaction.start()
-        try:
-            status = await driver.execute(
-                _PG_CREATE, scope.tenant, scope.application, scope.operation, digest, fingerprint, resource_id,
-                response, generated, now, now + retention, kind, expires_at)
-            if status != "INSERT 0 1":
-                await transaction.rollback()
-                return "existing"
-            slot = await driver.execute(_PG_TAKE_SLOT, scope.tenant, scope.application, scope.operation,
-                                        stripe_of(digest), cap // STRIPES)
-            if slot != "UPDATE 1":
-                await transaction.rollback()
-                return "slow"
-            await transaction.commit()
-        except BaseException:
-            if not transaction.is_completed():
-                await transaction.rollback()
-            raise
-        return Found("created", resource_id, "active", expires_at)
+        stripe = stripe_of(digest)
+        row = await driver.fetchrow(
+            _PG_CREATE, scope.tenant, scope.application, scope.operation, digest, fingerprint, resource_id,
+            response, generated, now, now + retention, kind, expires_at, stripe, cap // STRIPES)
+        if row["created"]:
+            return Found("created", resource_id, "active", expires_at)
+        if row["slot"]:  # a concurrent creation with this key committed first: give the slot back
+            await driver.execute(_PG_GIVE_BACK, scope.tenant, scope.application, scope.operation, stripe)
+            return "existing"
+        if row["fingerprint"] is None:
+            return "slow"
+        if row["expires_at"] <= now:
+            return "existing"  # an expired receipt not swept yet: the portable path drops it
+        # A replay, answered from the same statement.
+        return _verdict({**dict(row), "response": json.loads(row["response"])}, fingerprint, now)
 
     async def _find(self, conn: AsyncConnection, scope: Scope, digests: Sequence[str]) -> dict[str, Any] | None:
         query = (
