@@ -13,9 +13,13 @@ import httpx
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from consumer_kit import metrics
+from consumer_kit.coordinator.embedded import EmbeddedCoordinator
+from consumer_kit.coordinator.http import HttpCoordinator
+from consumer_kit.coordinator.protocol import Coordinator
 from consumer_kit.delivery import Delivery, Result, Source
 from consumer_kit.errors import ConfigurationError
 from consumer_kit.pipeline import Handler, HandlerSpec, Pipeline
+from consumer_kit.retry import RetryPolicy
 from consumer_kit.settings import Settings
 from consumer_kit.store import DeadLetters, Inbox, create_engine, ensure_schema, utcnow
 from consumer_kit.store.inbox import Clock
@@ -34,9 +38,13 @@ class ConsumerApp:
     finish, and closes the sources and the database.
     """
 
-    def __init__(self, settings: Settings | None = None, *, clock: Clock = utcnow) -> None:
+    def __init__(self, settings: Settings | None = None, *, clock: Clock = utcnow,
+                 coordinator: Coordinator | None = None) -> None:
         self.settings = settings or Settings()
         self.clock = clock
+        # None: an HttpCoordinator when COORDINATOR_URL is set, else the embedded one on our database.
+        self._given_coordinator = coordinator
+        self._coordinator: Coordinator | None = None
         self.specs: list[HandlerSpec] = []
         self._engine: AsyncEngine | None = None
         self._lane: PgLane | None = None
@@ -61,10 +69,16 @@ class ConsumerApp:
         ``name`` scopes the inbox (default: the function's name); keep it stable across deploys, since
         a new name forgets which deliveries were done. ``single_transaction=True`` claims, runs and
         completes in one commit: faster, and only for handlers whose every effect is in ``ctx.db``.
-        ``labels`` and ``task`` describe the coordinator session (when a coordinator is configured).
+        ``labels`` and ``task`` describe the coordinator session: a handler with either gets one
+        (``ctx.session``), created under ``ctx.key.derive("session")``; one with neither runs without.
         """
         if any(spec.source is source for spec in self.specs):
             raise ConfigurationError(f"source {source.name!r} already has a handler; one settles each delivery")
+        if single_transaction and (labels or task):
+            # The session would be created inside the claiming transaction, which on SQLite holds the
+            # write lock the embedded coordinator needs: keep coordinator work on the two-transaction path.
+            raise ConfigurationError("single_transaction handlers cannot have a coordinator session "
+                                     "(labels/task); use the default two-transaction path")
 
         def register(func: H) -> H:
             self.specs.append(HandlerSpec(
@@ -89,6 +103,13 @@ class ConsumerApp:
         if self._pipeline is None:
             raise RuntimeError("the app is not started")
         return self._pipeline
+
+    @property
+    def coordinator(self) -> Coordinator:
+        """The coordinator the pipeline creates sessions with (available once started)."""
+        if self._coordinator is None:
+            raise RuntimeError("the app is not started")
+        return self._coordinator
 
     @property
     def inbox(self) -> Inbox:
@@ -117,6 +138,7 @@ class ConsumerApp:
             # Single autocommit statements hold a connection only for one round trip: half as many do.
             self._lane = await PgLane.open(settings.database_url, size=max(2, settings.db_pool_size // 2))
         self._http = httpx.AsyncClient(timeout=httpx.Timeout(20.0))
+        self._coordinator = self._given_coordinator or self._default_coordinator(engine)
         self._pipeline = Pipeline(
             settings=settings,
             inbox=Inbox(engine, lease_seconds=settings.inbox_lease_seconds,
@@ -124,6 +146,7 @@ class ConsumerApp:
             dead_letters=DeadLetters(engine, clock=self.clock),
             digester=digester,
             http=self._http,
+            coordinator=self._coordinator,
         )
         self._sweeper = asyncio.create_task(self._sweep_forever(), name="consumer-kit-sweeper")
         try:
@@ -134,6 +157,18 @@ class ConsumerApp:
             await self.stop(grace=0)
             raise
         log.info("consumer-kit started: %d source(s) on %s", len(self.specs), engine.dialect.name)
+
+    def _default_coordinator(self, engine: AsyncEngine) -> Coordinator:
+        settings = self.settings
+        if settings.coordinator_url:
+            if settings.coordinator_token is None:
+                raise ConfigurationError("COORDINATOR_URL is set but COORDINATOR_TOKEN is not")
+            return HttpCoordinator(
+                settings.coordinator_url, token=settings.coordinator_token.get_secret_value(),
+                policy=RetryPolicy(attempts=settings.coordinator_retry_attempts,
+                                   total_seconds=settings.coordinator_retry_seconds),
+            )
+        return EmbeddedCoordinator(engine, settings, clock=self.clock)
 
     def _dispatcher(self, spec: HandlerSpec) -> Callable[[Delivery], Any]:
         async def dispatch(delivery: Delivery) -> Result:
@@ -175,6 +210,9 @@ class ConsumerApp:
         if self._lane is not None:
             await self._lane.close()
             self._lane = None
+        if isinstance(self._coordinator, HttpCoordinator) and self._given_coordinator is None:
+            await self._coordinator.aclose()
+        self._coordinator = None
         if self._engine is not None:
             await self._engine.dispose()
             self._engine = None
@@ -193,6 +231,8 @@ class ConsumerApp:
         """Delete expired inbox rows now, in batches; returns how many went."""
         swept = await self.inbox.sweep(batch_size=self.settings.sweep_batch_size)
         metrics.SWEPT.labels("inbox").inc(swept)
+        if isinstance(self._coordinator, EmbeddedCoordinator):
+            swept += await self._coordinator.sweep()
         return swept
 
     async def _sweep_forever(self) -> None:

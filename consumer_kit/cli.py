@@ -6,6 +6,7 @@
     consumer-kit db upgrade         apply the migrations to DATABASE_URL
     consumer-kit db check           exit 1 when DATABASE_URL's schema is out of date
     consumer-kit demo               the retry-safety recipe end to end on embedded defaults
+    consumer-kit coordinator serve  serve the coordinator over HTTP (COORDINATOR_TOKENS, DATABASE_URL)
 
 Configuration comes from :class:`~consumer_kit.settings.Settings` (the environment) only.
 """
@@ -63,7 +64,20 @@ async def _db(action: str) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from consumer_kit.demo import run_demo
 
+    if not args.verbose:  # the table is the output; the steps' expected warnings are noise here
+        for name in ("consumer_kit", "alembic"):
+            logging.getLogger(name).setLevel(logging.ERROR)
     return asyncio.run(run_demo())
+
+
+def _coordinator_serve(args: argparse.Namespace) -> int:
+    try:
+        from consumer_kit.coordinator.server import serve
+    except ModuleNotFoundError as exc:
+        raise ConfigurationError(
+            f"{exc.name} is not installed: pip install 'consumer-kit[coordinator]'") from exc
+    asyncio.run(serve(Settings(), host=args.host, port=args.port))
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -85,7 +99,16 @@ def build_parser() -> argparse.ArgumentParser:
     db_commands.add_parser("check", help="exit 1 when the schema is out of date").set_defaults(
         func=lambda _a: asyncio.run(_db("check")))
 
-    commands.add_parser("demo", help="the retry-safety recipe on embedded defaults").set_defaults(func=_demo)
+    demo = commands.add_parser("demo", help="the retry-safety recipe on embedded defaults")
+    demo.add_argument("--verbose", action="store_true", help="also show the log of every step")
+    demo.set_defaults(func=_demo)
+
+    coordinator = commands.add_parser("coordinator", help="the coordinator server")
+    coordinator_commands = coordinator.add_subparsers(dest="coordinator_command", required=True)
+    serve = coordinator_commands.add_parser("serve", help="serve the coordinator under uvicorn")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8080)
+    serve.set_defaults(func=_coordinator_serve)
     return parser
 
 

@@ -6,9 +6,14 @@
     ├── ConfigurationError              the app cannot start as configured
     │   └── SchemaOutOfDate             the database needs `consumer-kit db upgrade`
     ├── RetryableError                  try the delivery again later (a handler may raise it)
+    │   ├── CoordinatorUnavailable      the coordinator could not be reached within the retry budget
+    │   └── ReceiptLimitExceeded        the scope holds IDEMPOTENCY_MAX_RECEIPTS_PER_SCOPE live receipts
     ├── TerminalError                   never retry; park the delivery with a reason
     │   ├── InvalidKey                  the operation key breaks the seed's rules
-    │   └── MissingStableId             the delivery carries no immutable id to key it by
+    │   ├── MissingStableId             the delivery carries no immutable id to key it by
+    │   └── CoordinatorRejected         the coordinator refused the request (a 4xx other than 408/425/429)
+    │       ├── IdempotencyKeyConflict      409: same key, a security-relevant field changed
+    │       └── IdempotencyResultInactive   409: the key's session ended, expired or was revoked
     └── LeaseLost                       another attempt took the inbox lease over
 
 A handler chooses the fate of its delivery by what it raises: ``RetryableError`` (optionally with a
@@ -79,3 +84,53 @@ class MissingStableId(TerminalError):
 
 class LeaseLost(ConsumerKitError):
     """The inbox lease expired and another attempt took it over; this attempt's writes were rolled back."""
+
+
+class CoordinatorUnavailable(RetryableError):
+    """The coordinator did not answer usefully (network errors, 5xx, 408, 425, 429) within the retry
+    budget. Retrying later with the same idempotency key is safe: a committed creation is replayed."""
+
+    def __init__(self, message: str = "the coordinator is unavailable", *, delay: float | None = None) -> None:
+        super().__init__(message, delay=delay)
+
+
+class ReceiptLimitExceeded(RetryableError):
+    """The application already holds ``IDEMPOTENCY_MAX_RECEIPTS_PER_SCOPE`` live receipts for this
+    operation; nothing was created. It passes when receipts expire, so it is retryable, not terminal."""
+
+    code = "idempotency_receipt_limit"
+
+    def __init__(self, message: str = "idempotency receipt limit reached; nothing was created") -> None:
+        super().__init__(message)
+
+
+class CoordinatorRejected(TerminalError):
+    """The coordinator refused the request for good (a 4xx other than 408, 425 and 429): retrying the
+    same request cannot succeed. ``status`` is the HTTP status (0 in process), ``code`` the error code."""
+
+    reason = "coordinator_rejected"
+
+    def __init__(self, status: int, code: str, message: str | None = None) -> None:
+        super().__init__(message or f"the coordinator rejected the request: {status} {code}")
+        self.status = status
+        self.code = code
+
+
+class IdempotencyKeyConflict(CoordinatorRejected):
+    """Seed 000: the key was first used with different security-relevant fields (labels, task,
+    metadata, TTL, scopes ...). Usually a programming error or a namespace reused for other work."""
+
+    reason = "conflict"
+
+    def __init__(self, message: str = "idempotency key reused with different request fields") -> None:
+        super().__init__(409, "idempotency_key_conflict", message)
+
+
+class IdempotencyResultInactive(CoordinatorRejected):
+    """Seed 000: the session or delegation this key created has ended, expired or been revoked; it is
+    not replayed as an unusable identity. Use a new operation version only for an intentional rerun."""
+
+    reason = "inactive"
+
+    def __init__(self, message: str = "the result of this idempotency key is no longer active") -> None:
+        super().__init__(409, "idempotency_result_inactive", message)

@@ -10,6 +10,10 @@
       lease lost  -> roll back, LEASE_LOST  raised -> see _failed()
     ACK, PROCESSED
 
+Between claim and handler, handlers that describe a session (``labels`` or ``task``) get one from
+the coordinator under ``key.derive("session")`` (see ``_open_session``); it is ended once the
+handler's transaction has committed.
+
 Fate is mapped to settlement in this module only: ``TerminalError`` parks at once, anything else is
 retried in process within a budget, then handed back to the source (RETRY_LATER) until
 ``max_deliveries`` is reached, when the delivery is parked "retries_exhausted".
@@ -24,7 +28,7 @@ import random
 import time
 import traceback
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import httpx
@@ -32,8 +36,17 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
 from consumer_kit import metrics
 from consumer_kit.context import Context
+from consumer_kit.coordinator.protocol import Coordinator, SessionReceipt, SessionRequest
 from consumer_kit.delivery import Delivery, Outcome, Result, Settlement, Source
-from consumer_kit.errors import InvalidKey, LeaseLost, MissingStableId, RetryableError, TerminalError
+from consumer_kit.errors import (
+    IdempotencyKeyConflict,
+    IdempotencyResultInactive,
+    InvalidKey,
+    LeaseLost,
+    MissingStableId,
+    RetryableError,
+    TerminalError,
+)
 from consumer_kit.keys import KeyDigester, OperationKey, short
 from consumer_kit.settings import Settings
 from consumer_kit.store import Claim, ClaimStatus, DeadLetters, Inbox
@@ -68,6 +81,7 @@ class Pipeline:
         dead_letters: DeadLetters,
         digester: KeyDigester,
         http: httpx.AsyncClient | None = None,
+        coordinator: Coordinator | None = None,
     ) -> None:
         self.settings = settings
         self.inbox = inbox
@@ -75,6 +89,7 @@ class Pipeline:
         self.digester = digester
         self.http = http
         self._sqlite = inbox.engine.dialect.name == "sqlite"
+        self.coordinator = coordinator
 
     async def process(self, spec: HandlerSpec, delivery: Delivery) -> Result:
         """Decide one delivery's fate; never raises except on cancellation."""
@@ -143,16 +158,21 @@ class Pipeline:
                                lambda: self._heartbeat(spec.consumer, claim.digest, token))
         started = time.perf_counter()
         try:
+            receipt = await self._open_session(spec, delivery, key, claim)
+            if isinstance(receipt, Result):
+                return receipt
             for attempt in range(1, self.settings.retry_attempts + 1):
                 try:
                     async with self._transaction() as (conn, session):
                         ctx = self._context(key, delivery, session, claim)
+                        ctx.session = receipt
                         await spec.func(ctx)
                         if session.new or session.dirty or session.deleted:  # ORM objects to write
                             await session.flush()
                         if not await self.inbox.complete(conn, spec.consumer, claim.digest, token,
                                                          outcome=Outcome.PROCESSED.value):
                             raise LeaseLost()
+                    await self._end_session(receipt, key, digest)
                     _log(logging.DEBUG, "delivery processed", key, digest)
                     return Result(Outcome.PROCESSED, Settlement.ACK, key_digest=digest)
                 except LeaseLost:
@@ -179,6 +199,40 @@ class Pipeline:
         finally:
             heartbeat.cancel()
             metrics.HANDLER_SECONDS.labels(spec.source.name).observe(time.perf_counter() - started)
+
+    async def _open_session(self, spec: HandlerSpec, delivery: Delivery, key: OperationKey,
+                            claim: Claim) -> SessionReceipt | Result | None:
+        """The coordinator step: create (or replay) the handler's session under ``key.derive("session")``.
+
+        Created or replayed -> the receipt (a replay of an active session still runs the handler, seed
+        000). Conflict or inactive -> parked with that reason. Unavailable past the coordinator's own
+        retry budget, or at the receipt cap -> RETRY_LATER with the lease released. ``None`` when no
+        coordinator is configured or the handler describes no session (no labels, no task).
+        """
+        if self.coordinator is None or not (spec.labels or spec.task):
+            return None
+        try:
+            request = session_request(spec, delivery, self.settings)
+            return await self.coordinator.create_session(request, idempotency_key=key.derive("session"))
+        except (IdempotencyKeyConflict, IdempotencyResultInactive) as exc:
+            result = await self._dead(spec, delivery, key, claim, exc.reason, _describe(exc, key))
+            conflict = isinstance(exc, IdempotencyKeyConflict)
+            return replace(result, outcome=Outcome.CONFLICT if conflict else Outcome.INACTIVE)
+        except TerminalError as exc:
+            return await self._dead(spec, delivery, key, claim, exc.reason, _describe(exc, key))
+        except Exception as exc:
+            delay = exc.delay if isinstance(exc, RetryableError) else None
+            return await self._retry_later(spec, delivery, key, claim, exc, delay)
+
+    async def _end_session(self, receipt: SessionReceipt | None, key: OperationKey, digest: str) -> None:
+        """End the session after the handler's transaction committed; a failure only logs (the session
+        then ends at its TTL, and the delivery is done either way)."""
+        if receipt is None or self.coordinator is None:
+            return
+        try:
+            await self.coordinator.end_session(receipt.session_id)
+        except Exception as exc:
+            _log(logging.WARNING, f"ending the coordinator session failed ({type(exc).__name__})", key, digest)
 
     async def _single_transaction(self, spec: HandlerSpec, delivery: Delivery, key: OperationKey,
                                   digests: list[str] | Any, fingerprint: str) -> Result:
@@ -304,6 +358,12 @@ class _Heartbeat:
         self._timer.cancel()
         if self._task is not None:
             self._task.cancel()
+
+
+def session_request(spec: HandlerSpec, delivery: Delivery, settings: Settings) -> SessionRequest:
+    """The coordinator session a handler's delivery asks for: its labels, its task, the session TTL."""
+    task = spec.task(delivery) if callable(spec.task) else spec.task
+    return SessionRequest(labels=spec.labels, task=task, ttl_seconds=settings.coordinator_session_ttl_seconds)
 
 
 class _NotAcquired(Exception):

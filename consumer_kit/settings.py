@@ -8,6 +8,7 @@ random key to a file beside the database (mode 0600), so that a laptop run needs
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import secrets
@@ -60,8 +61,14 @@ class Settings(BaseSettings):
     sweep_batch_size: int = Field(500, gt=0)
     db_pool_size: int = Field(10, gt=0, description="Connections kept per app; as many again may overflow.")
 
-    coordinator_url: str | None = None
-    coordinator_token: SecretStr | None = None
+    coordinator_url: str | None = Field(None, description="An HTTP coordinator; unset = the embedded one.")
+    coordinator_token: SecretStr | None = Field(None, description="Bearer token for COORDINATOR_URL.")
+    coordinator_tokens: SecretStr | None = Field(
+        None, description='Server side: JSON {"<token>": "<tenant>/<application>"} of accepted bearers.'
+    )
+    coordinator_retry_attempts: int = Field(5, ge=1, description="HTTP coordinator attempts per call.")
+    coordinator_retry_seconds: float = Field(10.0, gt=0, description="Total time budget of one call.")
+    coordinator_session_ttl_seconds: int = Field(3600, gt=0, description="TTL of pipeline sessions.")
 
     @field_validator("database_url")
     @classmethod
@@ -97,6 +104,25 @@ class Settings(BaseSettings):
             if value is not None and len(value) < _MIN_HMAC_KEY_BYTES:
                 raise ConfigurationError(f"{name} must be at least {_MIN_HMAC_KEY_BYTES} bytes long.")
         return KeyDigester(key, prev)
+
+    def coordinator_scopes(self) -> dict[str, tuple[str, str]]:
+        """``COORDINATOR_TOKENS`` parsed: bearer token -> (tenant, application)."""
+        if self.coordinator_tokens is None:
+            return {}
+        try:
+            raw = json.loads(self.coordinator_tokens.get_secret_value())
+        except ValueError as exc:
+            raise ConfigurationError("COORDINATOR_TOKENS is not valid JSON") from exc
+        if not isinstance(raw, dict):
+            raise ConfigurationError('COORDINATOR_TOKENS must be a JSON object {"<token>": "<tenant>/<app>"}')
+        scopes: dict[str, tuple[str, str]] = {}
+        for token, scope in raw.items():
+            tenant, _, application = str(scope).partition("/")
+            if not token or not tenant or not application or "/" in application:
+                # The token itself is a secret: never echo it.
+                raise ConfigurationError('every COORDINATOR_TOKENS value must read "<tenant>/<application>"')
+            scopes[token] = (tenant, application)
+        return scopes
 
 
 def async_database_url(url: str) -> str:

@@ -13,7 +13,8 @@ def test_exported_members() -> None:
     }
     for name in consumer_kit.__all__:
         assert getattr(consumer_kit, name).__doc__, f"{name} has no docstring"
-    assert consumer_kit.testing.__all__ == ["InMemorySource"]
+    assert consumer_kit.testing.__all__ == [
+        "Delivered", "InMemorySource", "InjectedCrash", "Proof", "RecipeHarness", "RecipeReport"]
 
 
 def test_outcomes_and_settlements() -> None:

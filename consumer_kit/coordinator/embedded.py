@@ -1,0 +1,152 @@
+"""EmbeddedCoordinator: seed 000's receipt semantics in process, on the project's database."""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from consumer_kit.coordinator import metrics
+from consumer_kit.coordinator.protocol import (
+    DelegationReceipt,
+    DelegationRequest,
+    Operation,
+    SessionReceipt,
+    SessionRequest,
+    SessionScope,
+    fingerprint,
+)
+from consumer_kit.coordinator.store import Found, ReceiptStore, Scope
+from consumer_kit.errors import (
+    CoordinatorRejected,
+    IdempotencyKeyConflict,
+    IdempotencyResultInactive,
+    InvalidKey,
+    ReceiptLimitExceeded,
+)
+from consumer_kit.keys import KeyDigester, short, validate_key
+from consumer_kit.settings import Settings
+from consumer_kit.store.inbox import Clock, utcnow
+
+log = logging.getLogger("consumer_kit.coordinator")
+
+_METRIC_OUTCOME = {"created": "created", "replayed": "replayed", "conflict": "conflicts", "inactive": "expired"}
+
+
+class EmbeddedCoordinator(SessionScope):
+    """Creates sessions and delegations idempotently, with receipts in ``engine``'s database.
+
+    Receipts are scoped by ``tenant`` and ``application`` (and the operation); :meth:`scoped` gives a
+    view of the same store for another scope, which is how the server serves many bearers. A call
+    without a key creates without a receipt (in process there is no network retry to protect); the
+    server passes ``generated_key=True`` for keys a client generated, which are kept
+    ``GENERATED_IDEMPOTENCY_RETENTION_SECONDS`` instead of ``IDEMPOTENCY_RETENTION_SECONDS``.
+    """
+
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        settings: Settings,
+        *,
+        tenant: str = "local",
+        application: str = "consumer-kit",
+        digester: KeyDigester | None = None,
+        clock: Clock = utcnow,
+    ) -> None:
+        self.settings = settings
+        self.tenant = tenant
+        self.application = application
+        self.digester = digester or settings.digester()
+        self.store = ReceiptStore(engine, clock=clock)
+
+    def scoped(self, tenant: str, application: str) -> EmbeddedCoordinator:
+        """The same coordinator acting for another tenant and application."""
+        view = object.__new__(EmbeddedCoordinator)
+        view.settings, view.digester, view.store = self.settings, self.digester, self.store
+        view.tenant, view.application = tenant, application
+        return view
+
+    async def create_session(
+        self, request: SessionRequest, *, idempotency_key: str | None = None, generated_key: bool = False
+    ) -> SessionReceipt:
+        """See :meth:`Coordinator.create_session`."""
+        found = await self._create("session", request, idempotency_key, generated_key)
+        assert found.expires_at is not None
+        return SessionReceipt(found.resource_id, found.status, found.expires_at,
+                              replayed=found.verdict == "replayed")
+
+    async def create_delegation(
+        self, request: DelegationRequest, *, idempotency_key: str | None = None, generated_key: bool = False
+    ) -> DelegationReceipt:
+        """See :meth:`Coordinator.create_delegation`."""
+        found = await self._create("delegation", request, idempotency_key, generated_key)
+        assert found.expires_at is not None
+        return DelegationReceipt(found.resource_id, found.status, found.expires_at,
+                                 replayed=found.verdict == "replayed")
+
+    async def end_session(self, session_id: str) -> None:
+        """See :meth:`Coordinator.end_session`; an unknown id is ``CoordinatorRejected(404)``."""
+        await self._set_status(session_id, "ended")
+
+    async def revoke_session(self, session_id: str) -> None:
+        """See :meth:`Coordinator.revoke_session`; an unknown id is ``CoordinatorRejected(404)``."""
+        await self._set_status(session_id, "revoked")
+
+    async def sweep(self) -> int:
+        """Delete expired receipts and resources in batches, then refresh the gauges."""
+        try:
+            cap = self.settings.idempotency_max_receipts_per_scope
+            swept = await self.store.sweep(batch_size=self.settings.sweep_batch_size, cap=cap)
+            await self.store.reopen(cap)
+            count, oldest = await self.store.stats()
+        except Exception:
+            metrics.SWEEPER_FAILURES.inc()
+            raise
+        metrics.SWEPT.inc(swept)
+        metrics.RECEIPTS.set(count)
+        age = (self.store.clock() - oldest).total_seconds() if oldest is not None else 0.0
+        metrics.OLDEST.set(max(0.0, age))
+        return swept
+
+    async def _set_status(self, resource_id: str, status: str) -> None:
+        if not await self.store.set_status(self.tenant, self.application, resource_id, status):
+            raise CoordinatorRejected(404, "session_not_found")
+
+    async def _create(
+        self, operation: Operation, request: SessionRequest | DelegationRequest, key: str | None,
+        generated: bool,
+    ) -> Found:
+        settings = self.settings
+        digests: list[str] = []
+        retention: timedelta | None = None
+        if key is not None:
+            try:
+                validate_key(key)
+            except InvalidKey:
+                metrics.REQUESTS.labels("invalid").inc()
+                raise
+            digests = list(self.digester.candidates(key))
+            seconds = (settings.generated_idempotency_retention_seconds if generated
+                       else settings.idempotency_retention_seconds)
+            retention = timedelta(seconds=seconds)
+        found = await self.store.create(
+            Scope(self.tenant, self.application, operation), digests, fingerprint(operation, request),
+            kind=operation, ttl=timedelta(seconds=request.ttl_seconds), retention=retention,
+            generated=generated, cap=settings.idempotency_max_receipts_per_scope,
+        )
+        digest = short(digests[0]) if digests else "-"
+        if found.verdict == "limit":
+            metrics.LIMITED.inc()
+            log.warning("%s refused: receipt limit of the scope reached [%s]", operation, digest)
+            raise ReceiptLimitExceeded()
+        if key is not None:
+            metrics.REQUESTS.labels(_METRIC_OUTCOME[found.verdict]).inc()
+        if found.verdict == "conflict":
+            log.warning("%s key reused with different fields [%s]", operation, digest)
+            raise IdempotencyKeyConflict()
+        if found.verdict == "inactive":
+            log.info("%s key's result is no longer active [%s]", operation, digest)
+            raise IdempotencyResultInactive()
+        log.debug("%s %s [%s]", operation, found.verdict, digest)
+        return found

@@ -1,0 +1,154 @@
+"""The coordinator seam: requests, receipts, the protocol, and the request fingerprint.
+
+A request carries every field seed 000 calls security-relevant; :func:`fingerprint` reduces them to
+one canonical digest, so "the same request" means the same thing in process, on the server and in
+tests. Set-like fields (labels, scopes) compare order-insensitively; mappings are serialised with
+sorted keys and no insignificant whitespace.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import secrets
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Literal, Protocol, runtime_checkable
+
+from pydantic import BaseModel, ConfigDict, Field
+
+Operation = Literal["session", "delegation"]
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    def canonical(self) -> dict[str, Any]:
+        """The fields as compared: set-like fields sorted and de-duplicated."""
+        data = self.model_dump(mode="json")
+        for name in ("labels", "scopes"):
+            if name in data:
+                data[name] = sorted(set(data[name]))
+        return data
+
+
+class SessionRequest(_Request):
+    """A governed session to create. Every field is security-relevant (seed 000): reusing a key with
+    any of them changed is an ``idempotency_key_conflict``."""
+
+    subject: str | None = Field(None, max_length=255, description="The subject authority record id.")
+    parent_session_id: str | None = Field(None, max_length=255)
+    lifecycle: str = Field("ephemeral", max_length=64)
+    labels: tuple[str, ...] = ()
+    task: str | None = Field(None, max_length=4096)
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    authority_mode: str | None = Field(None, max_length=64)
+    ttl_seconds: int = Field(3600, gt=0, le=30 * 86_400)
+    resource: str | None = Field(None, max_length=2048)
+    scopes: tuple[str, ...] = ()
+    constraints: dict[str, Any] = Field(default_factory=dict)
+    invocation_parameters: dict[str, Any] = Field(default_factory=dict)
+
+
+class DelegationRequest(_Request):
+    """A delegation from a session to a subject; its endpoints and grants are security-relevant."""
+
+    from_session_id: str = Field(..., max_length=255)
+    to_subject: str = Field(..., max_length=255)
+    authority_mode: str | None = Field(None, max_length=64)
+    ttl_seconds: int = Field(3600, gt=0, le=30 * 86_400)
+    resource: str | None = Field(None, max_length=2048)
+    scopes: tuple[str, ...] = ()
+    constraints: dict[str, Any] = Field(default_factory=dict)
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+
+def fingerprint(operation: Operation, request: SessionRequest | DelegationRequest) -> str:
+    """SHA-256 hex over the canonical JSON of ``request`` and the operation it is for."""
+    canonical = json.dumps(
+        {"operation": operation, "request": request.canonical()},
+        sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False,
+    )
+    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+
+
+def generate_key() -> str:
+    """A fresh operation id of 128 random bits (seed 000), for one logical call and all its retries."""
+    return secrets.token_urlsafe(16)
+
+
+@dataclass(frozen=True, slots=True)
+class SessionReceipt:
+    """The coordinator's answer to a session creation. ``replayed`` is true when the key had already
+    created this session and the original response was returned."""
+
+    session_id: str
+    status: str
+    expires_at: datetime
+    replayed: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class DelegationReceipt:
+    """The coordinator's answer to a delegation creation; ``replayed`` as for sessions."""
+
+    delegation_id: str
+    status: str
+    expires_at: datetime
+    replayed: bool = False
+
+
+@runtime_checkable
+class Coordinator(Protocol):
+    """What creates governed sessions and delegations, idempotently under an optional key."""
+
+    async def create_session(
+        self, request: SessionRequest, *, idempotency_key: str | None = None
+    ) -> SessionReceipt:
+        """Create a session, or replay the one this key created; see seed 000 for the 409 cases."""
+        ...
+
+    async def end_session(self, session_id: str) -> None:
+        """End a session (idempotent). A later replay of its key is ``idempotency_result_inactive``."""
+        ...
+
+    async def revoke_session(self, session_id: str) -> None:
+        """Revoke a session (idempotent)."""
+        ...
+
+    async def create_delegation(
+        self, request: DelegationRequest, *, idempotency_key: str | None = None
+    ) -> DelegationReceipt:
+        """Create a delegation, or replay the one this key created."""
+        ...
+
+    def session(
+        self, *, idempotency_key: str | None = None, **fields: Any
+    ) -> contextlib.AbstractAsyncContextManager[SessionReceipt]:
+        """Create (or replay) a session from ``fields``, yield its receipt, end it on a clean exit."""
+        ...
+
+
+class SessionScope:
+    """The ``session(...)`` context manager, for any class with ``create_session`` and ``end_session``.
+
+    On an exception inside the block the session is left active: a retry of the same work replays it
+    (seed 000: a replay of an active session still enters the callback), and it expires at its TTL.
+    """
+
+    async def create_session(
+        self, request: SessionRequest, *, idempotency_key: str | None = None
+    ) -> SessionReceipt:
+        raise NotImplementedError
+
+    async def end_session(self, session_id: str) -> None:
+        raise NotImplementedError
+
+    @contextlib.asynccontextmanager
+    async def session(self, *, idempotency_key: str | None = None, **fields: Any) -> AsyncIterator[SessionReceipt]:
+        """See :meth:`Coordinator.session`."""
+        receipt = await self.create_session(SessionRequest(**fields), idempotency_key=idempotency_key)
+        yield receipt
+        await self.end_session(receipt.session_id)

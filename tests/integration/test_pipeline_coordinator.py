@@ -1,0 +1,150 @@
+"""The pipeline's coordinator step, with the embedded coordinator (SQLite, PostgreSQL) and with
+HttpCoordinator against the served coordinator on loopback; plus the user harness running the recipe."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+from sqlalchemy import Column, Integer, MetaData, String, Table, func, select
+
+from consumer_kit import ConsumerApp, Context, Outcome, RetryableError, Settings, Settlement
+from consumer_kit.coordinator import (
+    CoordinatorUnavailable,
+    EmbeddedCoordinator,
+    IdempotencyResultInactive,
+    SessionReceipt,
+    SessionRequest,
+)
+from consumer_kit.testing import InMemorySource, RecipeHarness
+from consumer_kit.testing.server import served_coordinator
+from tests.conftest import make_settings
+
+effects_metadata = MetaData()
+effects = Table("coord_test_effects", effects_metadata,
+                Column("id", Integer, primary_key=True, autoincrement=True),
+                Column("ticket", String(50), nullable=False))
+
+
+def build(settings: Settings, **app_kwargs: Any) -> tuple[ConsumerApp, InMemorySource, list[SessionReceipt | None]]:
+    app = ConsumerApp(settings, **app_kwargs)
+    source = InMemorySource(namespace="ticket-queue", version=1)
+    sessions: list[SessionReceipt | None] = []
+
+    @app.handler(source, labels=["research-agent"], task=lambda d: f"Prepare {d.json()['key']}")
+    async def handle(ctx: Context) -> None:
+        sessions.append(ctx.session)
+        await ctx.db.execute(effects.insert().values(ticket=ctx.delivery.json()["key"]))
+
+    return app, source, sessions
+
+
+async def prepare(app: ConsumerApp) -> Callable[[], Awaitable[int]]:
+    async with app.engine.begin() as conn:
+        await conn.run_sync(effects_metadata.drop_all)
+        await conn.run_sync(effects_metadata.create_all)
+
+    async def count() -> int:
+        async with app.engine.connect() as conn:
+            return int((await conn.execute(select(func.count()).select_from(effects))).scalar_one())
+
+    return count
+
+
+async def test_session_created_and_ended_after_commit(settings: Settings) -> None:
+    app, source, sessions = build(settings)
+    async with app.running():
+        await prepare(app)
+        assert isinstance(app.coordinator, EmbeddedCoordinator)
+        result = await source.deliver(id="m-1", body=b'{"key": "T-1"}')
+        assert (result.outcome, result.settlement) == (Outcome.PROCESSED, Settlement.ACK)
+        assert sessions[0] is not None and not sessions[0].replayed
+        key = source.key(source.settled[0][0]).derive("session")
+        with pytest.raises(IdempotencyResultInactive):  # ended once the transaction committed
+            await app.coordinator.create_session(
+                SessionRequest(labels=("research-agent",), task="Prepare T-1",
+                               ttl_seconds=settings.coordinator_session_ttl_seconds), idempotency_key=key)
+        assert (await source.deliver(id="m-1", body=b'{"key": "T-1"}')).outcome is Outcome.DUPLICATE
+
+
+async def test_recipe_with_the_harness(settings: Settings) -> None:
+    app, source, _sessions = build(settings)
+    async with app.running():
+        count = await prepare(app)
+        report = await RecipeHarness(app, source, effects=count).run(
+            body=b'{"key": "T-1"}', changed_body=b'{"key": "T-2"}')
+        report.assert_ok()
+        assert await app.dead_letters.count(reason="inactive") == 1
+        assert await app.dead_letters.count(reason="conflict") == 1
+
+
+async def test_coordinator_conflict_parks_the_delivery(settings: Settings) -> None:
+    task = {"value": "Prepare"}
+    app = ConsumerApp(settings)
+    source = InMemorySource(namespace="ticket-queue", version=1)
+    calls: list[int] = []
+
+    @app.handler(source, labels=["a"], task=lambda d: task["value"])
+    async def handle(ctx: Context) -> None:
+        calls.append(1)
+        if len(calls) == 1:
+            raise RetryableError("first delivery fails after the session was created", delay=0)
+
+    async with app.running():
+        first = await source.deliver(id="m-1", body=b"{}")
+        assert first.outcome is Outcome.RETRY
+        task["value"] = "Prepare differently"  # a deploy changed the session's fields under one key
+        result = await source.deliver(id="m-1", body=b"{}", attempt=2)
+        assert (result.outcome, result.settlement, result.reason) == (
+            Outcome.CONFLICT, Settlement.DEAD_LETTER, "conflict")
+    assert len(calls) == 1  # the handler did not run for the conflicting delivery
+
+
+class Unavailable(EmbeddedCoordinator):
+    async def create_session(self, request: SessionRequest, *, idempotency_key: str | None = None,
+                             generated_key: bool = False) -> SessionReceipt:
+        raise CoordinatorUnavailable("down", delay=7)
+
+
+async def test_unavailable_coordinator_retries_later(sqlite_url: str) -> None:
+    settings = make_settings(sqlite_url)
+    from consumer_kit.store import create_engine
+
+    engine = create_engine(sqlite_url)
+    app, source, sessions = build(settings, coordinator=Unavailable(engine, settings))
+    async with app.running():
+        result = await source.deliver(id="m-1", body=b'{"key": "T-1"}')
+    await engine.dispose()
+    assert (result.outcome, result.settlement, result.delay) == (Outcome.RETRY, Settlement.RETRY_LATER, 7)
+    assert sessions == []  # the handler never ran without its session
+
+
+async def test_handler_without_labels_or_task_gets_no_session(settings: Settings) -> None:
+    app = ConsumerApp(settings)
+    source = InMemorySource(namespace="plain", version=1)
+    seen: list[object] = []
+
+    @app.handler(source)
+    async def handle(ctx: Context) -> None:
+        seen.append(ctx.session)
+
+    async with app.running():
+        assert (await source.deliver(id="m-1", body=b"{}")).outcome is Outcome.PROCESSED
+    assert seen == [None]
+
+
+async def test_recipe_through_http_coordinator_on_loopback(database_url: str) -> None:
+    """The pipeline with COORDINATOR_URL set: HttpCoordinator against the served coordinator."""
+    server_settings = make_settings(database_url)
+    async with served_coordinator(server_settings, {"worker-token": ("acme", "tickets")}) as url:
+        settings = make_settings(database_url, coordinator_url=url, coordinator_token="worker-token")
+        app, source, _ = build(settings)
+        async with app.running():
+            from consumer_kit.coordinator import HttpCoordinator
+
+            assert isinstance(app.coordinator, HttpCoordinator)
+            count = await prepare(app)
+            report = await RecipeHarness(app, source, effects=count).run(
+                body=b'{"key": "T-1"}', changed_body=b'{"key": "T-2"}')
+    report.assert_ok()
