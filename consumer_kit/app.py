@@ -204,6 +204,13 @@ class ConsumerApp:
                 metrics.SWEEP_FAILURES.labels("inbox").inc()
                 log.error("inbox sweep failed: %s", type(exc).__name__)
 
+    def asgi(self) -> Any:
+        """An ASGI app (Starlette) serving the HTTP sources, ``/healthz``, ``/readyz`` and ``/metrics``;
+        its lifespan runs this app. See :mod:`consumer_kit.asgi`."""
+        from consumer_kit.asgi import build  # Starlette is an optional dependency
+
+        return build(self)
+
     async def serve(self) -> None:
         """Run until SIGTERM or SIGINT, then shut down gracefully (what ``consumer-kit run`` does)."""
         stop = asyncio.Event()

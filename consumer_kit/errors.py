@@ -9,6 +9,7 @@
     ├── TerminalError                   never retry; park the delivery with a reason
     │   ├── InvalidKey                  the operation key breaks the seed's rules
     │   └── MissingStableId             the delivery carries no immutable id to key it by
+    │       └── UnparseableDelivery     its body (or envelope) cannot be parsed to find one
     └── LeaseLost                       another attempt took the inbox lease over
 
 A handler chooses the fate of its delivery by what it raises: ``RetryableError`` (optionally with a
@@ -74,6 +75,16 @@ class MissingStableId(TerminalError):
     reason = "missing_stable_id"
 
     def __init__(self, message: str = "the delivery carries no stable id") -> None:
+        super().__init__(message)
+
+
+class UnparseableDelivery(MissingStableId):
+    """A delivery that was accepted (verified, authenticated) but cannot be parsed, so no stable id
+    can be read from it: parked with its raw body under reason ``unparseable``, never dropped."""
+
+    reason = "unparseable"
+
+    def __init__(self, message: str = "the delivery cannot be parsed") -> None:
         super().__init__(message)
 
 
