@@ -167,10 +167,19 @@ def build(app: ConsumerApp) -> Starlette:
 def serve(app: ConsumerApp, *, host: str, port: int, log_level: str = "info") -> None:
     """Run ``app.asgi()`` under uvicorn until SIGTERM/SIGINT (what ``consumer-kit run`` does for an app
     with HTTP sources): uvicorn stops accepting, finishes requests, then the lifespan drains the app."""
+    import signal
+
     import uvicorn
 
     config = uvicorn.Config(
         app.asgi(), host=host, port=port, lifespan="on", log_level=log_level.lower(),
         timeout_graceful_shutdown=int(app.settings.shutdown_grace_seconds) or None,
     )
-    uvicorn.Server(config).run()
+    # uvicorn re-raises the signal that stopped it once it has shut down, to the handlers that were
+    # installed before; these ignore it, so a drained worker exits 0 as the non-HTTP `run` does.
+    previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        uvicorn.Server(config).run()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
