@@ -8,6 +8,7 @@ import sys
 
 BENCHMARKS = {
     "pipeline": "bench.pipeline",
+    "webhooks": "bench.webhooks",
 }
 
 

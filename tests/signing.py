@@ -8,8 +8,9 @@ import hmac
 import time
 
 
-def standard_headers(secret: str, msg_id: str, body: bytes, timestamp: int | None = None,
-                     prefix: str = "webhook") -> dict[str, str]:
+def standard_headers(
+    secret: str, msg_id: str, body: bytes, timestamp: int | None = None, prefix: str = "webhook"
+) -> dict[str, str]:
     """Standard Webhooks headers for ``body``; ``secret`` is a ``whsec_`` base64 secret."""
     stamp = int(time.time()) if timestamp is None else timestamp
     key = base64.b64decode(secret.removeprefix("whsec_"))
@@ -29,8 +30,9 @@ def stripe_signature(secret: str, body: bytes, timestamp: int | None = None) -> 
     return f"t={stamp},v1={mac}"
 
 
-def github_headers(secret: str, body: bytes, *, hook_id: str, delivery: str,
-                   event: str = "push") -> dict[str, str]:
+def github_headers(
+    secret: str, body: bytes, *, hook_id: str, delivery: str, event: str = "push"
+) -> dict[str, str]:
     """GitHub's webhook headers for ``body``."""
     mac = hmac.new(secret.encode(), body, hashlib.sha256).hexdigest()
     return {

@@ -31,11 +31,18 @@ def free_port() -> int:
 
 def run_example(target: str, tmp_path: Path, **env: str) -> Iterator[str]:
     port = free_port()
-    environment = {**os.environ, "DATABASE_URL": f"sqlite:///{tmp_path}/example.db",
-                   "IDEMPOTENCY_HMAC_KEY": TEST_HMAC_KEY, **env}
+    environment = {
+        **os.environ,
+        "DATABASE_URL": f"sqlite:///{tmp_path}/example.db",
+        "IDEMPOTENCY_HMAC_KEY": TEST_HMAC_KEY,
+        **env,
+    }
     process = subprocess.Popen(
         [sys.executable, "-m", "consumer_kit.cli", "run", target, "--host", "127.0.0.1", "--port", str(port)],
-        cwd=ROOT, env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        cwd=ROOT,
+        env=environment,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
     )
     base = f"http://127.0.0.1:{port}"
     try:
@@ -68,20 +75,35 @@ def stripe_example(tmp_path: Path) -> Iterator[str]:
 
 @pytest.fixture
 def cloudevents_example(tmp_path: Path) -> Iterator[str]:
-    yield from run_example("examples.cloudevents_sink:app", tmp_path, CLOUDEVENTS_TOKEN="sink-token",
-                           CLOUDEVENTS_ALLOWED_ORIGINS="https://sender.example")
+    yield from run_example(
+        "examples.cloudevents_sink:app",
+        tmp_path,
+        CLOUDEVENTS_TOKEN="sink-token",
+        CLOUDEVENTS_ALLOWED_ORIGINS="https://sender.example",
+    )
 
 
 def test_stripe_receiver_under_uvicorn(stripe_example: str) -> None:
     body = json.dumps({"id": "evt_3OqLkJ2eZvKYlo2C1", "object": "event", "type": "charge.succeeded"}).encode()
     with httpx.Client(base_url=stripe_example) as client:
-        first = client.post("/stripe/webhooks", content=body,
-                            headers={"stripe-signature": stripe_signature(STRIPE_SECRET, body)})
-        retry = client.post("/stripe/webhooks", content=body,
-                            headers={"stripe-signature": stripe_signature(STRIPE_SECRET, body, int(time.time()) + 5)})
-        forged = client.post("/stripe/webhooks", content=body,
-                             headers={"stripe-signature": stripe_signature("whsec_wrong", body)})
-        big = client.post("/stripe/webhooks", content=b"x" * 300_000, headers={"stripe-signature": "t=1,v1=0"})
+        first = client.post(
+            "/stripe/webhooks",
+            content=body,
+            headers={"stripe-signature": stripe_signature(STRIPE_SECRET, body)},
+        )
+        retry = client.post(
+            "/stripe/webhooks",
+            content=body,
+            headers={"stripe-signature": stripe_signature(STRIPE_SECRET, body, int(time.time()) + 5)},
+        )
+        forged = client.post(
+            "/stripe/webhooks",
+            content=body,
+            headers={"stripe-signature": stripe_signature("whsec_wrong", body)},
+        )
+        big = client.post(
+            "/stripe/webhooks", content=b"x" * 300_000, headers={"stripe-signature": "t=1,v1=0"}
+        )
         metrics = client.get("/metrics").text
     assert (first.status_code, first.json()["outcome"]) == (200, "processed")
     assert (retry.status_code, retry.json()["outcome"]) == (200, "duplicate")
@@ -90,13 +112,21 @@ def test_stripe_receiver_under_uvicorn(stripe_example: str) -> None:
 
 
 def test_cloudevents_sink_under_uvicorn(cloudevents_example: str) -> None:
-    headers = {"ce-specversion": "1.0", "ce-id": "ord-77", "ce-source": "/shop", "ce-type": "order.created",
-               "content-type": "application/json", "authorization": "Bearer sink-token"}
+    headers = {
+        "ce-specversion": "1.0",
+        "ce-id": "ord-77",
+        "ce-source": "/shop",
+        "ce-type": "order.created",
+        "content-type": "application/json",
+        "authorization": "Bearer sink-token",
+    }
     with httpx.Client(base_url=cloudevents_example) as client:
         handshake = client.options("/events", headers={"webhook-request-origin": "https://sender.example"})
         first = client.post("/events", content=b'{"order": 77}', headers=headers)
         again = client.post("/events", content=b'{"order": 77}', headers=headers)
-        unauthenticated = client.post("/events", content=b"{}", headers={**headers, "authorization": "Bearer x"})
+        unauthenticated = client.post(
+            "/events", content=b"{}", headers={**headers, "authorization": "Bearer x"}
+        )
         metrics = client.get("/metrics").text
     assert handshake.headers["webhook-allowed-origin"] == "https://sender.example"
     assert (first.json()["outcome"], again.json()["outcome"]) == ("processed", "duplicate")

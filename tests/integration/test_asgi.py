@@ -36,10 +36,23 @@ async def test_health_readiness_and_metrics(database_url: str) -> None:
             assert (await client.get("/healthz")).status_code == 200
             ready = await client.get("/readyz")
             assert ready.status_code == 200 and ready.json() == {"ready": True}
-            assert (await client.post("/github", content=b"{}", headers={"x-hub-signature-256": "sha256=00",
-                    "x-github-event": "push", "x-github-hook-id": "1", "x-github-delivery": "d"})).status_code == 401
+            assert (
+                await client.post(
+                    "/github",
+                    content=b"{}",
+                    headers={
+                        "x-hub-signature-256": "sha256=00",
+                        "x-github-event": "push",
+                        "x-github-hook-id": "1",
+                        "x-github-delivery": "d",
+                    },
+                )
+            ).status_code == 401
             exposition = (await client.get("/metrics")).text
-            assert 'consumer_kit_http_rejected_total{reason="unauthenticated",source="webhook:gh-asgi"}' in exposition
+            assert (
+                'consumer_kit_http_rejected_total{reason="unauthenticated",source="webhook:gh-asgi"}'
+                in exposition
+            )
             current, _head = await schema_revisions(app.engine)
             async with app.engine.begin() as conn:  # the schema falls behind this package
                 await conn.execute(text(f"UPDATE {VERSION_TABLE} SET version_num = 'older'"))

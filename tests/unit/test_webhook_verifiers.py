@@ -30,8 +30,12 @@ def clock() -> float:
 def test_github_documented_vector() -> None:
     # docs.github.com, "Validating webhook deliveries": testing the webhook payload validation.
     verifier = GitHubVerifier("It's a Secret to Everybody")
-    headers = {"x-hub-signature-256": "sha256=757107ea0eb2509fc211221cce984b8a37570b6d7586c22c46f4379c8b043e17",
-               "x-github-event": "ping", "x-github-hook-id": "1", "x-github-delivery": "guid"}
+    headers = {
+        "x-hub-signature-256": "sha256=757107ea0eb2509fc211221cce984b8a37570b6d7586c22c46f4379c8b043e17",
+        "x-github-event": "ping",
+        "x-github-hook-id": "1",
+        "x-github-delivery": "guid",
+    }
     assert verifier.verify(headers, b"Hello, World!") == {"event": "ping"}
     with pytest.raises(Unauthenticated):
         verifier.verify(headers, b"Hello, World?")
@@ -56,8 +60,13 @@ def test_standard_webhooks_agrees_with_the_library() -> None:
     StandardWebhooksVerifier(SW_SECRET).verify(headers, body)  # ... and so do we
     library_signed = Webhook(SW_SECRET).sign("msg_1", datetime.fromtimestamp(now, UTC), body.decode())
     StandardWebhooksVerifier(SW_SECRET).verify(
-        {"webhook-id": "msg_1", "webhook-timestamp": str(now), "webhook-signature": f"v1a,xyz {library_signed}"},
-        body)
+        {
+            "webhook-id": "msg_1",
+            "webhook-timestamp": str(now),
+            "webhook-signature": f"v1a,xyz {library_signed}",
+        },
+        body,
+    )
 
 
 def test_standard_webhooks_tolerance_is_configurable_both_ways() -> None:
@@ -88,7 +97,9 @@ def test_stripe_several_v1_and_rotation() -> None:
     with pytest.raises(Unauthenticated):
         StripeVerifier(new, clock=clock).verify({"stripe-signature": signed_old}, body)
     with pytest.raises(Unauthenticated):  # stripe-python accepts future timestamps; we do not
-        StripeVerifier(new, clock=clock).verify({"stripe-signature": stripe_signature(new, body, NOW + 400)}, body)
+        StripeVerifier(new, clock=clock).verify(
+            {"stripe-signature": stripe_signature(new, body, NOW + 400)}, body
+        )
     with pytest.raises(MalformedRequest):
         StripeVerifier(new, clock=clock).verify({"stripe-signature": "t=1"}, body)
     assert StripeVerifier(new).stable_id({}, body) == "evt_1"
@@ -116,9 +127,22 @@ def test_hmac_verifier_configuration() -> None:
 # ---------------------------------------------------------------------------------------------------
 # Property-based: arbitrary headers and bodies.
 
-HEADER_NAMES = ["webhook-id", "webhook-timestamp", "webhook-signature", "svix-id", "svix-timestamp",
-                "svix-signature", "stripe-signature", "x-hub-signature-256", "x-github-event",
-                "x-github-hook-id", "x-github-delivery", "x-sig", "x-id", "content-type"]
+HEADER_NAMES = [
+    "webhook-id",
+    "webhook-timestamp",
+    "webhook-signature",
+    "svix-id",
+    "svix-timestamp",
+    "svix-signature",
+    "stripe-signature",
+    "x-hub-signature-256",
+    "x-github-event",
+    "x-github-hook-id",
+    "x-github-delivery",
+    "x-sig",
+    "x-id",
+    "content-type",
+]
 header_values = st.one_of(
     st.text(max_size=80),
     st.from_regex(r"v1,[A-Za-z0-9+/=]{0,60}( v1,[A-Za-z0-9+/=]{0,60})?", fullmatch=True),
@@ -141,7 +165,9 @@ VERIFIERS: list[Verifier] = [
 @pytest.mark.parametrize("verifier", VERIFIERS, ids=lambda v: type(v).__name__)
 @settings(max_examples=200, deadline=None)
 @given(headers=headers_strategy, body=bodies)
-def test_arbitrary_input_is_only_ever_rejected(verifier: Verifier, headers: Mapping[str, str], body: bytes) -> None:
+def test_arbitrary_input_is_only_ever_rejected(
+    verifier: Verifier, headers: Mapping[str, str], body: bytes
+) -> None:
     try:
         verifier.verify(headers, body)
     except RequestRejected as exc:
@@ -151,8 +177,11 @@ def test_arbitrary_input_is_only_ever_rejected(verifier: Verifier, headers: Mapp
 
 
 @settings(max_examples=200, deadline=None)
-@given(msg_id=st.text(min_size=1, max_size=40).map(str.strip).filter(bool), body=bodies,
-       flip=st.integers(0, 10_000))
+@given(
+    msg_id=st.text(min_size=1, max_size=40).map(str.strip).filter(bool),
+    body=bodies,
+    flip=st.integers(0, 10_000),
+)
 def test_standard_webhooks_only_the_signed_bytes_verify(msg_id: str, body: bytes, flip: int) -> None:
     verifier = StandardWebhooksVerifier(SW_SECRET, clock=clock)
     headers = standard_headers(SW_SECRET, msg_id, body, timestamp=NOW)
