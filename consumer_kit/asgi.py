@@ -105,7 +105,8 @@ def reject(source: str, exc: RequestRejected) -> Response:
     """The response to a refused request, counted by reason (never a key, a secret or a detail)."""
     metrics.HTTP_REJECTED.labels(source, exc.code if exc.status != 401 else "unauthenticated").inc()
     body = {"error": "unauthenticated" if exc.status == 401 else exc.code}
-    headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
+    challenge = getattr(exc, "challenge", None)
+    headers = {"WWW-Authenticate": challenge} if challenge else None
     return JSONResponse(body, status_code=exc.status, headers=headers)
 
 

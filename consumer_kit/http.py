@@ -60,6 +60,10 @@ class Unauthenticated(RequestRejected):
     status = 401
     code = "unauthenticated"
 
+    def __init__(self, code: str | None = None, *, challenge: str | None = None) -> None:
+        super().__init__(code)
+        self.challenge = challenge  # the WWW-Authenticate value, for schemes that have one (Bearer)
+
 
 class PayloadTooLarge(RequestRejected):
     """The body is over the source's limit (413); it was not hashed."""

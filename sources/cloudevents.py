@@ -253,7 +253,7 @@ class CloudEventsSource:
         for expected in self._tokens:
             matched |= hmac.compare_digest(expected, given)
         if scheme.lower() != "bearer" or not matched:
-            raise Unauthenticated()
+            raise Unauthenticated(challenge="Bearer")
 
     @staticmethod
     def _headers(request: Request) -> dict[str, str]:

@@ -173,7 +173,7 @@ async def test_repeated_ce_header_and_bearer(sink: tuple[Sink, httpx.AsyncClient
     wrong = await client.post(
         "/events", content=b"{}", headers={**binary("r-3"), "authorization": "Bearer nope"}
     )
-    assert wrong.status_code == 401
+    assert wrong.status_code == 401 and wrong.headers["www-authenticate"] == "Bearer"
     harness.source.batch = False
     batch = await client.post(
         "/events", content=b"[]", headers={"content-type": "application/cloudevents-batch+json"}

@@ -211,6 +211,7 @@ async def test_bad_requests_get_their_status_and_run_nothing(
     assert answer.status_code == status
     if status == 401:
         assert answer.json() == {"error": "unauthenticated"}  # never which check failed
+        assert "www-authenticate" not in answer.headers  # no challenge a signature scheme could answer
     assert harness.runs == {}
     assert await harness.app.dead_letters.count() == 0  # unverified input is not parked
 
