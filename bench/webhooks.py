@@ -30,6 +30,7 @@ from consumer_kit.store import create_engine, upgrade
 
 N = int(os.environ.get("CK_BENCH_N", "4000"))
 WARMUP = 300
+ROUNDS = int(os.environ.get("CK_BENCH_ROUNDS", "2"))
 CONCURRENCY = 32
 TARGET = 0.7
 ROOT = Path(__file__).resolve().parents[1]
@@ -120,23 +121,27 @@ async def main() -> bool:
             "BENCH_SECRET": "whsec_" + base64.b64encode(secrets.token_bytes(24)).decode(),
             "BENCH_HMAC_KEY": secrets.token_urlsafe(32),
         }
-        bare, bare_failed = await _serve_and_drive("bench.webhook_servers:bare", env, "bare")
-        single, single_failed = await _serve_and_drive(
-            "bench.webhook_servers:receiver", {**env, "BENCH_SINGLE_TRANSACTION": "1"}, "single"
-        )
-        double, double_failed = await _serve_and_drive("bench.webhook_servers:receiver", env, "double")
+        sides = {
+            "bare": ("bench.webhook_servers:bare", env),
+            "single": ("bench.webhook_servers:receiver", {**env, "BENCH_SINGLE_TRANSACTION": "1"}),
+            "double": ("bench.webhook_servers:receiver", env),
+        }
+        best = dict.fromkeys(sides, 0.0)
+        failures = dict.fromkeys(sides, 0)
+        for round_ in range(ROUNDS):  # alternate the sides, so that a noisy minute does not pick one
+            for name, (factory, side_env) in sides.items():
+                rate, failed = await _serve_and_drive(factory, side_env, f"{name}{round_}")
+                best[name] = max(best[name], rate)
+                failures[name] += failed
+    bare, single, double = best["bare"], best["single"], best["double"]
     print(f"webhooks: {N} signed Standard Webhooks deliveries, concurrency {CONCURRENCY}, "
-          "uvicorn on 127.0.0.1, PostgreSQL")
-    print(f"  bare Starlette (verify + insert)          {bare:8.0f} req/s  failed: {bare_failed}")
-    print(
-        f"  consumer-kit receiver, single transaction {single:8.0f} req/s  failed: {single_failed}  "
-        f"ratio {single / bare:.2f}"
-    )
-    print(
-        f"  consumer-kit receiver, two transactions   {double:8.0f} req/s  failed: {double_failed}  "
-        f"ratio {double / bare:.2f}"
-    )
-    failed = bare_failed + single_failed + double_failed
+          f"uvicorn on 127.0.0.1, PostgreSQL; best of {ROUNDS} alternating rounds")
+    print(f"  bare Starlette (verify + insert)          {bare:8.0f} req/s  failed: {failures['bare']}")
+    print(f"  consumer-kit receiver, single transaction {single:8.0f} req/s  failed: {failures['single']}  "
+          f"ratio {single / bare:.2f}")
+    print(f"  consumer-kit receiver, two transactions   {double:8.0f} req/s  failed: {failures['double']}  "
+          f"ratio {double / bare:.2f}")
+    failed = sum(failures.values())
     print(f"  target >= {TARGET}x (single transaction, the path for a one-row handler): "
           f"{verdict(single / bare, TARGET)}" + (f"; {failed} requests failed" if failed else ""))
     return single / bare >= TARGET and not failed

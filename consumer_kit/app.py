@@ -7,7 +7,7 @@ import contextlib
 import logging
 import signal
 from collections.abc import AsyncIterator, Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import httpx
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -20,6 +20,9 @@ from consumer_kit.settings import Settings
 from consumer_kit.store import DeadLetters, Inbox, create_engine, ensure_schema, utcnow
 from consumer_kit.store.inbox import Clock
 from consumer_kit.store.pglane import PgLane
+
+if TYPE_CHECKING:
+    from starlette.applications import Starlette
 
 log = logging.getLogger("consumer_kit.app")
 
@@ -204,7 +207,7 @@ class ConsumerApp:
                 metrics.SWEEP_FAILURES.labels("inbox").inc()
                 log.error("inbox sweep failed: %s", type(exc).__name__)
 
-    def asgi(self) -> Any:
+    def asgi(self) -> Starlette:
         """An ASGI app (Starlette) serving the HTTP sources, ``/healthz``, ``/readyz`` and ``/metrics``;
         its lifespan runs this app. See :mod:`consumer_kit.asgi`."""
         from consumer_kit.asgi import build  # Starlette is an optional dependency

@@ -3,6 +3,7 @@
 ::
 
     consumer-kit run module:app     run an app until SIGTERM/SIGINT, then drain (like uvicorn)
+                                    (with HTTP sources: app.asgi() under uvicorn, --host/--port)
     consumer-kit db upgrade         apply the migrations to DATABASE_URL
     consumer-kit db check           exit 1 when DATABASE_URL's schema is out of date
     consumer-kit demo               the retry-safety recipe end to end on embedded defaults
