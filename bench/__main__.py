@@ -9,6 +9,7 @@ import sys
 BENCHMARKS = {
     "pipeline": "bench.pipeline",
     "coordinator": "bench.coordinator",
+    "webhooks": "bench.webhooks",
 }
 
 

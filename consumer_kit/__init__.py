@@ -12,6 +12,7 @@ from consumer_kit.errors import (
     RetryableError,
     SchemaOutOfDate,
     TerminalError,
+    UnparseableDelivery,
 )
 from consumer_kit.keys import KeyDigester, OperationKey
 from consumer_kit.settings import Settings
@@ -36,4 +37,5 @@ __all__ = [
     "Settlement",
     "Source",
     "TerminalError",
+    "UnparseableDelivery",
 ]

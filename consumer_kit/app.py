@@ -7,7 +7,7 @@ import contextlib
 import logging
 import signal
 from collections.abc import AsyncIterator, Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import httpx
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -24,6 +24,9 @@ from consumer_kit.settings import Settings
 from consumer_kit.store import DeadLetters, Inbox, create_engine, ensure_schema, utcnow
 from consumer_kit.store.inbox import Clock
 from consumer_kit.store.pglane import PgLane
+
+if TYPE_CHECKING:
+    from starlette.applications import Starlette
 
 log = logging.getLogger("consumer_kit.app")
 
@@ -243,6 +246,13 @@ class ConsumerApp:
             except Exception as exc:
                 metrics.SWEEP_FAILURES.labels("inbox").inc()
                 log.error("inbox sweep failed: %s", type(exc).__name__)
+
+    def asgi(self) -> Starlette:
+        """An ASGI app (Starlette) serving the HTTP sources, ``/healthz``, ``/readyz`` and ``/metrics``;
+        its lifespan runs this app. See :mod:`consumer_kit.asgi`."""
+        from consumer_kit.asgi import build  # Starlette is an optional dependency
+
+        return build(self)
 
     async def serve(self) -> None:
         """Run until SIGTERM or SIGINT, then shut down gracefully (what ``consumer-kit run`` does)."""

@@ -3,6 +3,7 @@
 ::
 
     consumer-kit run module:app     run an app until SIGTERM/SIGINT, then drain (like uvicorn)
+                                    (with HTTP sources: app.asgi() under uvicorn, --host/--port)
     consumer-kit db upgrade         apply the migrations to DATABASE_URL
     consumer-kit db check           exit 1 when DATABASE_URL's schema is out of date
     consumer-kit demo               the retry-safety recipe end to end on embedded defaults
@@ -23,6 +24,7 @@ from collections.abc import Callable, Sequence
 
 from consumer_kit.app import ConsumerApp
 from consumer_kit.errors import ConfigurationError
+from consumer_kit.http import has_http_sources
 from consumer_kit.settings import Settings
 from consumer_kit.store import create_engine, schema_revisions, upgrade
 
@@ -44,6 +46,11 @@ def load_app(target: str) -> ConsumerApp:
 
 def _run(args: argparse.Namespace) -> int:
     app = load_app(args.app)
+    if has_http_sources(spec.source for spec in app.specs):
+        from consumer_kit.asgi import serve
+
+        serve(app, host=args.host, port=args.port, log_level=args.log_level)
+        return 0
     asyncio.run(app.serve())
     return 0
 

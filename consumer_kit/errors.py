@@ -11,6 +11,7 @@
     ├── TerminalError                   never retry; park the delivery with a reason
     │   ├── InvalidKey                  the operation key breaks the seed's rules
     │   ├── MissingStableId             the delivery carries no immutable id to key it by
+    │   │   └── UnparseableDelivery     its body (or envelope) cannot be parsed to find one
     │   └── CoordinatorRejected         the coordinator refused the request (a 4xx other than 408/425/429)
     │       ├── IdempotencyKeyConflict      409: same key, a security-relevant field changed
     │       └── IdempotencyResultInactive   409: the key's session ended, expired or was revoked
@@ -79,6 +80,16 @@ class MissingStableId(TerminalError):
     reason = "missing_stable_id"
 
     def __init__(self, message: str = "the delivery carries no stable id") -> None:
+        super().__init__(message)
+
+
+class UnparseableDelivery(MissingStableId):
+    """A delivery that was accepted (verified, authenticated) but cannot be parsed, so no stable id
+    can be read from it: parked with its raw body under reason ``unparseable``, never dropped."""
+
+    reason = "unparseable"
+
+    def __init__(self, message: str = "the delivery cannot be parsed") -> None:
         super().__init__(message)
 
 

@@ -21,3 +21,8 @@ LEASE_TAKEOVERS = Counter(
 )
 SWEPT = Counter("consumer_kit_swept_total", "Expired rows deleted by the sweeper.", ["table"])
 SWEEP_FAILURES = Counter("consumer_kit_sweeper_failures_total", "Sweeper runs that failed.", ["table"])
+HTTP_REJECTED = Counter(
+    "consumer_kit_http_rejected_total",
+    "HTTP requests refused before they became deliveries (unverified, malformed, too large), by reason.",
+    ["source", "reason"],
+)

@@ -1,0 +1,81 @@
+"""The two servers of the webhook benchmark, as uvicorn factories configured by the environment
+(``BENCH_DATABASE_URL``, ``BENCH_SECRET``, ``BENCH_SINGLE_TRANSACTION``).
+
+- ``receiver``: consumer-kit's ``WebhookSource`` with ``StandardWebhooksVerifier``: verify, claim the
+  inbox on PostgreSQL, run a handler that inserts one row, complete.
+- ``bare``: a plain Starlette endpoint that verifies with the ``standardwebhooks`` library and inserts
+  one row with asyncpg: what a receiver without dedup looks like.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import AsyncIterator
+from typing import Any
+
+import asyncpg
+from sqlalchemy import Column, Integer, MetaData, String, Table
+from standardwebhooks.webhooks import Webhook, WebhookVerificationError
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from consumer_kit import ConsumerApp, Context, Settings
+from sources.webhooks import StandardWebhooksVerifier, WebhookSource
+
+POOL = 32
+rows = Table(
+    "bench_hook_rows",
+    MetaData(),
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("event", String(64), nullable=False),
+)
+
+
+def receiver() -> Any:
+    """consumer-kit's receiver (``app.asgi()``)."""
+    settings = Settings(
+        database_url=os.environ["BENCH_DATABASE_URL"],
+        idempotency_hmac_key=os.environ["BENCH_HMAC_KEY"],  # type: ignore[arg-type]
+        db_pool_size=POOL,
+    )
+    app = ConsumerApp(settings)
+    source = WebhookSource(
+        path="/hooks",
+        namespace="bench-hooks",
+        version=1,
+        verifier=StandardWebhooksVerifier(os.environ["BENCH_SECRET"]),
+    )
+
+    @app.handler(source, single_transaction=os.environ.get("BENCH_SINGLE_TRANSACTION") == "1")
+    async def on_hook(ctx: Context) -> None:
+        await ctx.db.execute(rows.insert().values(event=ctx.delivery.json()["type"]))
+
+    return app.asgi()
+
+
+def bare() -> Starlette:
+    """The peer: verify, insert one row, answer 200."""
+    webhook = Webhook(os.environ["BENCH_SECRET"])
+    pool: dict[str, asyncpg.Pool] = {}
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: Starlette) -> AsyncIterator[None]:
+        created = await asyncpg.create_pool(os.environ["BENCH_PLAIN_URL"], min_size=POOL, max_size=POOL)
+        assert created is not None
+        pool["db"] = created
+        yield
+        await created.close()
+
+    async def hooks(request: Request) -> Response:
+        body = await request.body()
+        try:
+            payload = webhook.verify(body, dict(request.headers))
+        except WebhookVerificationError:
+            return JSONResponse({"error": "unauthenticated"}, status_code=401)
+        await pool["db"].execute("INSERT INTO bench_bare_rows (event) VALUES ($1)", payload["type"])
+        return JSONResponse({"outcome": "processed"})
+
+    return Starlette(routes=[Route("/hooks", hooks, methods=["POST"])], lifespan=lifespan)

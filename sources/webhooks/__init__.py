@@ -1,0 +1,30 @@
+"""Verified webhook receivers: ``WebhookSource`` and the Standard Webhooks, Stripe, GitHub and generic
+HMAC verifiers. Needs the ``webhooks`` extra: ``pip install 'consumer-kit[webhooks]'``."""
+
+try:
+    import standardwebhooks  # noqa: F401
+    import starlette  # noqa: F401
+except ModuleNotFoundError as exc:  # pragma: no cover - depends on the installation
+    raise ImportError(
+        "sources.webhooks needs the webhooks extra: pip install 'consumer-kit[webhooks]'"
+    ) from exc
+
+from sources.webhooks.receiver import WebhookSource
+from sources.webhooks.verifiers import (
+    GitHubVerifier,
+    HmacVerifier,
+    Secrets,
+    StandardWebhooksVerifier,
+    StripeVerifier,
+    Verifier,
+)
+
+__all__ = [
+    "GitHubVerifier",
+    "HmacVerifier",
+    "Secrets",
+    "StandardWebhooksVerifier",
+    "StripeVerifier",
+    "Verifier",
+    "WebhookSource",
+]

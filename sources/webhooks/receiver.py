@@ -1,0 +1,80 @@
+"""WebhookSource: a verified webhook endpoint, served by ``app.asgi()``.
+
+For each request: read the raw body under the size cap (413 before any hashing), verify it with the
+verifier (400 malformed, 401 unauthenticated; neither is parked nor run, both are counted), then hand
+the delivery to the pipeline keyed by the provider's stable id and answer its verdict
+(:func:`consumer_kit.http.answer_for`): 200 processed or already processed, 503 with ``Retry-After``
+while in progress or to be retried, 400 and parked when verified but unparseable or without an id,
+202 and parked on a conflict or another terminal outcome.
+"""
+
+from __future__ import annotations
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from consumer_kit.asgi import read_body, reject, respond, single_headers, unavailable
+from consumer_kit.delivery import Delivery, Dispatch
+from consumer_kit.errors import MissingStableId, TerminalError
+from consumer_kit.http import DEFAULT_BODY_LIMIT, RequestRejected
+from consumer_kit.keys import OperationKey
+from sources.webhooks.verifiers import Verifier
+
+
+class WebhookSource:
+    """Deliveries POSTed by a webhook provider to ``path``, authenticated by ``verifier``.
+
+    ``namespace`` and ``version`` form the operation key with the provider's stable id
+    (``stripe-events:v1:evt_...``); ``body_limit`` caps the raw body (default 256 KiB).
+    """
+
+    methods: tuple[str, ...] = ("POST",)
+
+    def __init__(self, *, path: str, verifier: Verifier, namespace: str, version: int,
+                 name: str | None = None, body_limit: int = DEFAULT_BODY_LIMIT) -> None:
+        if not path.startswith("/"):
+            raise ValueError("a webhook path starts with '/'")
+        OperationKey(namespace, version, "probe")  # fail at construction on a bad namespace or version
+        self.path = path
+        self.verifier = verifier
+        self.namespace = namespace
+        self.version = version
+        self.name = name or f"webhook:{namespace}"
+        self.body_limit = body_limit
+        self._dispatch: Dispatch | None = None
+
+    def key(self, delivery: Delivery) -> OperationKey:
+        """``namespace:v<version>:<provider id>``, read by the verifier from the verified delivery."""
+        stable_id = self.verifier.stable_id(delivery.headers, delivery.body)
+        if not stable_id:
+            raise MissingStableId()
+        return OperationKey(self.namespace, self.version, stable_id)
+
+    async def start(self, dispatch: Dispatch) -> None:
+        """Accept deliveries."""
+        self._dispatch = dispatch
+
+    async def stop(self) -> None:
+        """Answer 503 to new requests (the provider retries them later)."""
+        self._dispatch = None
+
+    async def close(self) -> None:
+        """Nothing to release."""
+
+    async def handle(self, request: Request) -> Response:
+        """Verify one request and answer the pipeline's verdict on it."""
+        dispatch = self._dispatch
+        if dispatch is None:
+            return unavailable()
+        try:
+            headers = single_headers(request, self.verifier.header_names)
+            body = await read_body(request, self.body_limit)
+            attributes = self.verifier.verify(headers, body)
+        except RequestRejected as exc:
+            return reject(self.name, exc)
+        try:
+            stable_id: str | None = self.verifier.stable_id(headers, body)
+        except TerminalError:
+            stable_id = None  # key() raises the same error inside the pipeline, which parks it
+        delivery = Delivery(id=stable_id, body=body, headers=headers, attributes=attributes)
+        return respond(await dispatch(delivery))
