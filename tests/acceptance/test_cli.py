@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -89,3 +90,17 @@ def test_quickstart_example(tmp_path: Path) -> None:
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "['processed', 'duplicate', 'processed', 'dead_lettered']"
+
+
+def test_dead_letters_list(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path}/q.db"
+    code = "import asyncio, examples.quickstart as q; asyncio.run(q.main())"
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env(DATABASE_URL=url), check=True,
+                   capture_output=True, timeout=60)
+    done = subprocess.run([*CLI, "dead-letters", "list", "--bodies"], cwd=ROOT, env=env(DATABASE_URL=url),
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    [line] = done.stdout.splitlines()
+    letter = json.loads(line)
+    assert letter["reason"] == "malformed_ticket" and letter["body"] == "{}" and len(letter["key_digest"]) == 16
+    assert "m-3" not in line  # the delivery id is part of the key: never printed
