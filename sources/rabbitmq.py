@@ -288,13 +288,15 @@ class AmqpPublisher:
         self.settings = settings
         self.connection_name = connection_name
         self._connection: AbstractConnection | None = None
+        self._channel: AbstractChannel | None = None
         self._exchange: AbstractExchange | None = None
         self._lock = asyncio.Lock()
 
     async def _ready(self) -> AbstractExchange:
         async with self._lock:
-            if self._exchange is not None and self._connection is not None and not self._connection.is_closed:
-                return self._exchange
+            channel, exchange = self._channel, self._exchange
+            if exchange is not None and channel is not None and not channel.is_closed:
+                return exchange
             await self._drop()
             url = (self.settings or Settings()).require_rabbitmq_url(self.url)
             connection = await aio_pika.connect(
@@ -304,7 +306,7 @@ class AmqpPublisher:
                 exchange = await channel.get_exchange(self.exchange_name, ensure=True)
             else:
                 exchange = channel.default_exchange
-            self._connection, self._exchange = connection, exchange
+            self._connection, self._channel, self._exchange = connection, channel, exchange
             return exchange
 
     async def publish(self, message: OutboxMessage) -> None:
@@ -314,14 +316,16 @@ class AmqpPublisher:
                                 delivery_mode=aio_pika.DeliveryMode.PERSISTENT)
         try:
             await exchange.publish(amqp, routing_key=message.destination, mandatory=True)
+        except (aio_pika.exceptions.DeliveryError, aio_pika.exceptions.PublishError):
+            raise  # the broker answered (nack, unroutable): the connection is fine
         except Exception:
-            if self._connection is None or self._connection.is_closed:
-                async with self._lock:
+            async with self._lock:
+                if self._exchange is exchange:  # not one a concurrent publish has just reopened
                     await self._drop()
             raise
 
     async def _drop(self) -> None:
-        connection, self._connection, self._exchange = self._connection, None, None
+        connection, self._connection, self._channel, self._exchange = self._connection, None, None, None
         if connection is not None:
             with contextlib.suppress(Exception):
                 await connection.close()

@@ -53,12 +53,13 @@ async def pg(pg_database: str) -> str:
     return pg_database
 
 
-def worker(settings: Settings, queue: str, tag: str, **options: object) -> tuple[ConsumerApp, RabbitMQSource]:
+def worker(settings: Settings, queue: str, tag: str, *, prefetch: int = 32,
+           single_transaction: bool = False) -> tuple[ConsumerApp, RabbitMQSource]:
     app = ConsumerApp(settings)
     source = RabbitMQSource(queue=queue, namespace="orders", version=1, url=AMQP_URL,
-                            name=f"{queue}-{tag}", retry_delays=(0.2, 0.5), **options)  # type: ignore[arg-type]
+                            name=f"{queue}-{tag}", retry_delays=(0.2, 0.5), prefetch=prefetch)
 
-    @app.handler(source, name="rabbit-test")
+    @app.handler(source, name="rabbit-test", single_transaction=single_transaction)
     async def handle(ctx: Context) -> None:
         await ctx.db.execute(effects.insert().values(message=ctx.delivery.text(), worker=tag))
 
@@ -74,7 +75,8 @@ async def counts(app: ConsumerApp) -> tuple[int, int]:
 async def test_ten_thousand_with_duplicates(pg: str, queue: str) -> None:
     ids = [f"order-{i:05d}" for i in range(10_000)]
     messages = [(i, i.encode()) for i in ids] + [(i, i.encode()) for i in ids[::10]]  # 10% twice
-    app, _ = worker(make_settings(pg), queue, "a", prefetch=64)
+    # The single-transaction path, the fast one for handlers whose only effect is in the database.
+    app, _ = worker(make_settings(pg, db_pool_size=10), queue, "a", prefetch=100, single_transaction=True)
     async with app.running():
         await publish(queue, messages)
 
@@ -90,7 +92,7 @@ async def test_ten_thousand_with_duplicates(pg: str, queue: str) -> None:
 
 
 async def test_missing_message_id_is_dead_lettered(pg: str, queue: str) -> None:
-    app, _ = worker(make_settings(pg), queue, "a")
+    app, _ = worker(make_settings(pg, db_pool_size=5), queue, "a")
     async with app.running():
         await publish(queue, [("has-id-1", b"fine")])
         await publish_without_id(queue, [b"no-id-1", b"no-id-2"])
@@ -111,7 +113,7 @@ async def test_missing_message_id_is_dead_lettered(pg: str, queue: str) -> None:
 
 
 async def test_recovers_after_the_broker_closes_the_connection(pg: str, queue: str) -> None:
-    app, source = worker(make_settings(pg), queue, "a", prefetch=16)
+    app, source = worker(make_settings(pg, db_pool_size=5), queue, "a", prefetch=16)
     async with app.running():
         await publish(queue, [(f"m-{i:04d}", f"m-{i:04d}".encode()) for i in range(300)])
 
@@ -132,8 +134,8 @@ async def test_recovers_after_the_broker_closes_the_connection(pg: str, queue: s
 
 
 async def test_two_workers_share_a_queue(pg: str, queue: str) -> None:
-    app1, _ = worker(make_settings(pg), queue, "one", prefetch=8)
-    app2, _ = worker(make_settings(pg), queue, "two", prefetch=8)
+    app1, _ = worker(make_settings(pg, db_pool_size=5), queue, "one", prefetch=8)
+    app2, _ = worker(make_settings(pg, db_pool_size=5), queue, "two", prefetch=8)
     async with app1.running(), app2.running():
         await publish(queue, [(f"w-{i:04d}", f"w-{i:04d}".encode()) for i in range(1_000)])
 
@@ -150,7 +152,7 @@ async def test_two_workers_share_a_queue(pg: str, queue: str) -> None:
 
 
 async def test_retry_later_goes_through_the_retry_queue(pg: str, queue: str) -> None:
-    settings = make_settings(pg, retry_attempts=1, retry_later_seconds=0.1)
+    settings = make_settings(pg, db_pool_size=5, retry_attempts=1, retry_later_seconds=0.1)
     app = ConsumerApp(settings)
     source = RabbitMQSource(queue=queue, namespace="orders", version=1, url=AMQP_URL, retry_delays=(0.2, 0.4))
     attempts: list[int] = []
