@@ -53,7 +53,10 @@ async def publish_without_id(queue: str, bodies: Iterable[bytes], port: int = 56
                 if isinstance(value, kind):
                     return value
                 continue
-            buffer += await reader.read(65536)
+            data = await asyncio.wait_for(reader.read(65536), 10)
+            if not data:
+                raise ConnectionError("the broker closed the connection")
+            buffer += data
 
     def send(value: object, channel: int = 0) -> None:
         writer.write(frame.marshal(value, channel))  # type: ignore[arg-type]
@@ -75,8 +78,11 @@ async def publish_without_id(queue: str, bodies: Iterable[bytes], port: int = 56
         send(header.ContentHeader(0, len(body), commands.Basic.Properties(delivery_mode=2)), 1)
         send(ContentBody(body), 1)
         count += 1
-    for _ in range(count):
-        await expect(commands.Basic.Ack)
+    confirmed: set[int] = set()
+    while len(confirmed) < count:
+        ack = await expect(commands.Basic.Ack)
+        tag = int(ack.delivery_tag)  # type: ignore[attr-defined]
+        confirmed.update(range(1, tag + 1) if ack.multiple else (tag,))  # type: ignore[attr-defined]
     send(commands.Connection.Close(200, "bye", 0, 0), 0)
     await expect(commands.Connection.CloseOk)
     writer.close()
