@@ -149,9 +149,9 @@ def close_connections_named(name: str) -> int:
     return closed
 
 
-async def wait_until(predicate: Callable[[], Awaitable[bool]], timeout: float, what: str) -> None:
-    """Poll ``predicate`` until it holds; fail with ``what`` after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
+async def wait_until(predicate: Callable[[], Awaitable[bool]], seconds: float, what: str) -> None:
+    """Poll ``predicate`` until it holds; fail with ``what`` after ``seconds``."""
+    deadline = time.monotonic() + seconds
     while not await predicate():
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
