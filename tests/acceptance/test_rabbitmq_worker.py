@@ -46,7 +46,8 @@ async def test_sigkill_mid_stream_then_restart_records_each_order_once(
     log = tmp_path / "worker.log"
     env = dict(os.environ, DATABASE_URL=pg_database, IDEMPOTENCY_HMAC_KEY=TEST_HMAC_KEY,
                RABBITMQ_URL=AMQP_URL, ORDERS_QUEUE=queue, EVENTS_QUEUE=f"{queue}.events",
-               INBOX_LEASE_SECONDS="2", DB_POOL_SIZE="5", OUTBOX_POLL_SECONDS="0.2", SHUTDOWN_GRACE_SECONDS="10")
+               INBOX_LEASE_SECONDS="2", DB_POOL_SIZE="5", OUTBOX_POLL_SECONDS="0.2",
+               SHUTDOWN_GRACE_SECONDS="10")
     init = await asyncio.to_thread(
         subprocess.run, [sys.executable, "-m", "examples.rabbitmq_worker", "init"], cwd=ROOT, env=env,
         capture_output=True, timeout=60)
