@@ -10,6 +10,7 @@ BENCHMARKS = {
     "pipeline": "bench.pipeline",
     "coordinator": "bench.coordinator",
     "webhooks": "bench.webhooks",
+    "rabbitmq": "bench.rabbitmq",
 }
 
 

@@ -19,9 +19,10 @@ from consumer_kit.coordinator.protocol import Coordinator
 from consumer_kit.delivery import Delivery, Result, Source
 from consumer_kit.errors import ConfigurationError
 from consumer_kit.pipeline import Handler, HandlerSpec, Pipeline
+from consumer_kit.relay import OutboxRelay, Publisher
 from consumer_kit.retry import RetryPolicy
 from consumer_kit.settings import Settings
-from consumer_kit.store import DeadLetters, Inbox, create_engine, ensure_schema, utcnow
+from consumer_kit.store import DeadLetters, Inbox, Outbox, create_engine, ensure_schema, utcnow
 from consumer_kit.store.inbox import Clock
 from consumer_kit.store.pglane import PgLane
 
@@ -56,6 +57,9 @@ class ConsumerApp:
         self._in_flight: set[asyncio.Task[Result]] = set()
         self._sweeper: asyncio.Task[None] | None = None
         self._started: list[Source] = []
+        self._publisher: Publisher | None = None
+        self._relay: asyncio.Task[None] | None = None
+        self._relay_stop = asyncio.Event()
 
     def handler(
         self,
@@ -92,6 +96,21 @@ class ConsumerApp:
             return func
 
         return register
+
+    def relay_outbox(self, publisher: Publisher) -> None:
+        """Run an outbox relay with ``publisher`` while the app runs (``consumer-kit run`` included);
+        ``consumer-kit outbox relay`` uses it too when given this app."""
+        self._publisher = publisher
+
+    @property
+    def publisher(self) -> Publisher | None:
+        """The outbox publisher registered with :meth:`relay_outbox`."""
+        return self._publisher
+
+    @property
+    def outbox(self) -> Outbox:
+        """The outbox store (available once started)."""
+        return Outbox(self.engine, clock=self.clock)
 
     @property
     def engine(self) -> AsyncEngine:
@@ -152,6 +171,10 @@ class ConsumerApp:
             coordinator=self._coordinator,
         )
         self._sweeper = asyncio.create_task(self._sweep_forever(), name="consumer-kit-sweeper")
+        if self._publisher is not None:
+            self._relay_stop = asyncio.Event()
+            relay = OutboxRelay(self.outbox, self._publisher, settings)
+            self._relay = asyncio.create_task(relay.run(self._relay_stop), name="consumer-kit-relay")
         try:
             for spec in self.specs:
                 await spec.source.start(self._dispatcher(spec))
@@ -203,6 +226,13 @@ class ConsumerApp:
             except Exception as exc:
                 log.warning("closing source %s failed: %s", source.name, type(exc).__name__)
         self._started.clear()
+        if self._relay is not None:
+            self._relay_stop.set()
+            await asyncio.gather(self._relay, return_exceptions=True)
+            self._relay = None
+        if self._publisher is not None:
+            with contextlib.suppress(Exception):
+                await self._publisher.close()
         if self._sweeper is not None:
             self._sweeper.cancel()
             await asyncio.gather(self._sweeper, return_exceptions=True)

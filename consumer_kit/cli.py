@@ -9,6 +9,7 @@
     consumer-kit dead-letters list  parked deliveries with their reasons (JSON lines)
     consumer-kit demo               the retry-safety recipe end to end on embedded defaults
     consumer-kit coordinator serve  serve the coordinator over HTTP (COORDINATOR_TOKENS, DATABASE_URL)
+    consumer-kit outbox relay       publish committed outbox rows (RABBITMQ_URL, or --app's publisher)
 
 Configuration comes from :class:`~consumer_kit.settings.Settings` (the environment) only.
 """
@@ -21,6 +22,7 @@ import importlib
 import json
 import logging
 import os
+import signal
 import sys
 from collections.abc import Callable, Sequence
 
@@ -28,7 +30,7 @@ from consumer_kit.app import ConsumerApp
 from consumer_kit.errors import ConfigurationError
 from consumer_kit.http import has_http_sources
 from consumer_kit.settings import Settings
-from consumer_kit.store import DeadLetters, create_engine, schema_revisions, upgrade
+from consumer_kit.store import DeadLetters, create_engine, ensure_schema, schema_revisions, upgrade
 
 Command = Callable[[argparse.Namespace], int]
 
@@ -108,6 +110,31 @@ def _coordinator_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+async def _relay(app_target: str | None) -> int:
+    from consumer_kit.relay import OutboxRelay, Publisher
+    from consumer_kit.store import Outbox
+
+    app = load_app(app_target) if app_target else None
+    settings = app.settings if app is not None else Settings()
+    publisher: Publisher | None = app.publisher if app is not None else None
+    if publisher is None:
+        from sources.rabbitmq import AmqpPublisher
+
+        publisher = AmqpPublisher(settings.require_rabbitmq_url(), settings=settings)
+    engine = create_engine(settings.database_url)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await ensure_schema(engine)
+        await OutboxRelay(Outbox(engine), publisher, settings).run(stop)
+    finally:
+        await publisher.close()
+        await engine.dispose()
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser (sub-commands register their own options)."""
     parser = argparse.ArgumentParser(prog="consumer-kit", description=__doc__.split("\n\n")[0])
@@ -146,6 +173,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8080)
     serve.set_defaults(func=_coordinator_serve)
+
+    outbox = commands.add_parser("outbox", help="the transactional outbox")
+    outbox_commands = outbox.add_subparsers(dest="outbox_command", required=True)
+    relay = outbox_commands.add_parser("relay", help="publish committed outbox rows until SIGTERM")
+    relay.add_argument("--app", default=None, help="module:app whose settings and publisher to use")
+    relay.set_defaults(func=lambda a: asyncio.run(_relay(a.app)))
     return parser
 
 

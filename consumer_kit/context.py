@@ -1,5 +1,5 @@
 """What a handler gets: its key, the delivery, a database session inside the completing transaction,
-and derived keys for every downstream call."""
+an outbox in that transaction, and derived keys for every downstream call."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from consumer_kit.delivery import Delivery
 from consumer_kit.keys import OperationKey
+from consumer_kit.store.outbox import OutboxWriter
 
 
 @dataclass(slots=True)
@@ -20,6 +21,7 @@ class Context:
     ``db`` is an ``AsyncSession`` whose transaction also marks the delivery completed in the inbox:
     what the handler writes through it commits if and only if the delivery is recorded as done, and
     rolls back if the handler raises or the lease was lost. Do not commit it yourself.
+    ``outbox.publish(destination, body, headers=...)`` stages a message in that same transaction.
     """
 
     key: OperationKey
@@ -27,6 +29,7 @@ class Context:
     db: AsyncSession
     attempt: int
     key_digest: str
+    outbox: OutboxWriter
     session: Any = None  # the coordinator's session receipt; None when no coordinator is configured
     http: httpx.AsyncClient | None = None
 

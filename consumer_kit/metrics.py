@@ -26,3 +26,9 @@ HTTP_REJECTED = Counter(
     "HTTP requests refused before they became deliveries (unverified, malformed, too large), by reason.",
     ["source", "reason"],
 )
+OUTBOX_PENDING = Gauge("consumer_kit_outbox_pending", "Outbox rows not yet published.")
+OUTBOX_OLDEST_AGE = Gauge(
+    "consumer_kit_outbox_oldest_age_seconds", "Age of the oldest unpublished outbox row (0 when none)."
+)
+OUTBOX_PUBLISHED = Counter("consumer_kit_outbox_published_total", "Outbox rows published and confirmed.")
+OUTBOX_FAILURES = Counter("consumer_kit_outbox_publish_failures_total", "Outbox publishes that failed.")

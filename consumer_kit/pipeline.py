@@ -49,7 +49,7 @@ from consumer_kit.errors import (
 )
 from consumer_kit.keys import KeyDigester, OperationKey, short
 from consumer_kit.settings import Settings
-from consumer_kit.store import Claim, ClaimStatus, DeadLetters, Inbox
+from consumer_kit.store import Claim, ClaimStatus, DeadLetters, Inbox, OutboxWriter
 from consumer_kit.store.database import DEFERRED
 
 log = logging.getLogger("consumer_kit.pipeline")
@@ -164,9 +164,10 @@ class Pipeline:
             for attempt in range(1, self.settings.retry_attempts + 1):
                 try:
                     async with self._transaction() as (conn, session):
-                        ctx = self._context(key, delivery, session, claim)
+                        ctx = self._context(spec, key, delivery, session, claim)
                         ctx.session = receipt
                         await spec.func(ctx)
+                        await ctx.outbox.flush()
                         if session.new or session.dirty or session.deleted:  # ORM objects to write
                             await session.flush()
                         if not await self.inbox.complete(conn, spec.consumer, claim.digest, token,
@@ -248,8 +249,9 @@ class Pipeline:
                                                       outcome=Outcome.PROCESSED.value)
                     if not claim.acquired:
                         raise _NotAcquired(claim)
-                    ctx = self._context(key, delivery, session, claim)
+                    ctx = self._context(spec, key, delivery, session, claim)
                     await spec.func(ctx)
+                    await ctx.outbox.flush()
                     if session.new or session.dirty or session.deleted:  # ORM objects to write
                         await session.flush()
                 metrics.HANDLER_SECONDS.labels(spec.source.name).observe(time.perf_counter() - started)
@@ -323,9 +325,11 @@ class Pipeline:
                 finally:
                     await session.close()
 
-    def _context(self, key: OperationKey, delivery: Delivery, session: AsyncSession, claim: Claim) -> Context:
+    def _context(self, spec: HandlerSpec, key: OperationKey, delivery: Delivery, session: AsyncSession,
+                 claim: Claim) -> Context:
+        outbox = OutboxWriter(session, self.digester, spec.consumer, key, clock=self.inbox.clock)
         return Context(key=key, delivery=delivery, db=session, attempt=max(claim.attempts, delivery.attempt),
-                       key_digest=short(claim.digest), http=self.http)
+                       key_digest=short(claim.digest), outbox=outbox, http=self.http)
 
     async def _heartbeat(self, consumer: str, digest: str, token: str) -> None:
         interval = self.settings.heartbeat_seconds

@@ -70,6 +70,18 @@ class Settings(BaseSettings):
     coordinator_retry_seconds: float = Field(10.0, gt=0, description="Total time budget of one call.")
     coordinator_session_ttl_seconds: int = Field(3600, gt=0, description="TTL of pipeline sessions.")
 
+    rabbitmq_url: SecretStr | None = Field(
+        None, description="AMQP URL of the broker (it carries credentials, so it has no default)."
+    )
+    outbox_batch_size: int = Field(100, gt=0, description="Outbox rows a relay claims per round.")
+    outbox_poll_seconds: float = Field(1.0, gt=0, description="Relay polling interval besides NOTIFY.")
+    outbox_backoff_seconds: float = Field(1.0, gt=0, description="First delay after a failed publish.")
+    outbox_backoff_max_seconds: float = Field(60.0, gt=0)
+    outbox_publish_timeout_seconds: float = Field(10.0, gt=0, description="Wait for a publisher confirm.")
+    outbox_retention_seconds: int = Field(
+        86_400, gt=0, description="How long published outbox rows are kept before the sweep."
+    )
+
     @field_validator("database_url")
     @classmethod
     def _async_driver(cls, value: str) -> str:
@@ -123,6 +135,17 @@ class Settings(BaseSettings):
                 raise ConfigurationError('every COORDINATOR_TOKENS value must read "<tenant>/<application>"')
             scopes[token] = (tenant, application)
         return scopes
+
+    def require_rabbitmq_url(self, explicit: str | None = None) -> str:
+        """``explicit`` when given, else ``RABBITMQ_URL``; a clear error when neither is set."""
+        if explicit:
+            return explicit
+        if self.rabbitmq_url is None:
+            raise ConfigurationError(
+                "RABBITMQ_URL is not set: set it (for example amqp://user:password@host:5672/vhost) or "
+                "pass url=... to the RabbitMQ source or publisher."
+            )
+        return self.rabbitmq_url.get_secret_value()
 
 
 def async_database_url(url: str) -> str:

@@ -1,2 +1,1 @@
-"""Sources: one module (or small package) per transport. Each depends on consumer_kit, never the
-other way round."""
+"""Sources: one module per transport, each depending on ``consumer_kit`` and never the other way round."""

@@ -1,4 +1,4 @@
-"""Persistence: the tables, the inbox engine, dead letters and schema management.
+"""Persistence: the tables, the inbox engine, the outbox, dead letters and schema management.
 
 The store owns every SQL statement; the pipeline and the sources call its methods.
 """
@@ -6,7 +6,8 @@ The store owns every SQL statement; the pipeline and the sources call its method
 from consumer_kit.store.database import create_engine, ensure_schema, schema_revisions, upgrade
 from consumer_kit.store.dead_letters import DeadLetter, DeadLetters
 from consumer_kit.store.inbox import Claim, ClaimStatus, Inbox, utcnow
-from consumer_kit.store.tables import dead_letters, inbox, metadata
+from consumer_kit.store.outbox import Outbox, OutboxBatch, OutboxMessage, OutboxStats, OutboxWriter
+from consumer_kit.store.tables import dead_letters, inbox, metadata, outbox
 
 __all__ = [
     "Claim",
@@ -14,11 +15,17 @@ __all__ = [
     "DeadLetter",
     "DeadLetters",
     "Inbox",
+    "Outbox",
+    "OutboxBatch",
+    "OutboxMessage",
+    "OutboxStats",
+    "OutboxWriter",
     "create_engine",
     "dead_letters",
     "ensure_schema",
     "inbox",
     "metadata",
+    "outbox",
     "schema_revisions",
     "upgrade",
     "utcnow",

@@ -93,3 +93,20 @@ dead_letters = Table(
     Index("ix_dead_letters_created_at", "created_at"),
     Index("ix_dead_letters_key_digest", "key_digest"),
 )
+
+outbox = Table(
+    "outbox",
+    metadata,
+    # A keyed digest of (consumer, operation key, position) for handler rows: stable across re-runs,
+    # and it reveals nothing of the key. It is also the message id the relay publishes with.
+    Column("id", String(64), primary_key=True),
+    Column("destination", String(255), nullable=False),
+    Column("headers", JSON, nullable=False),
+    Column("body", LargeBinary, nullable=False),
+    Column("created_at", UTCDateTime(), nullable=False),
+    Column("available_at", UTCDateTime(), nullable=False),
+    Column("attempts", Integer, nullable=False),
+    Column("published_at", UTCDateTime(), nullable=True),
+    Column("last_error", String(500), nullable=True),
+    Index("ix_outbox_pending", "published_at", "available_at"),
+)

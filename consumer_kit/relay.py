@@ -1,0 +1,158 @@
+"""The outbox relay: publishes committed outbox rows, each with its row id as the dedup id.
+
+The relay knows no broker. It drives a :class:`Publisher`, a one-method seam that a source module
+implements (``sources.rabbitmq.AmqpPublisher`` publishes with publisher confirms); tests and other
+transports bring their own.
+
+::
+
+    loop:  claim due rows (FOR UPDATE SKIP LOCKED on PostgreSQL)
+           publish them concurrently, each awaiting the destination's confirmation
+           mark the confirmed published, the rest failed with a growing per-row delay
+           wait for NOTIFY (PostgreSQL), the poll interval, or a backoff after failures
+
+A relay that dies between a confirm and its commit leaves the rows unpublished; they go out again with
+the same id, which the consumer's inbox (or the destination's dedup) absorbs. Published rows are swept
+after ``OUTBOX_RETENTION_SECONDS``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import Protocol, runtime_checkable
+
+from consumer_kit import metrics
+from consumer_kit.settings import Settings
+from consumer_kit.store.outbox import Outbox, OutboxBatch, OutboxMessage, OutboxStats
+
+log = logging.getLogger("consumer_kit.relay")
+
+
+@runtime_checkable
+class Publisher(Protocol):
+    """Sends outbox messages to their destination."""
+
+    async def publish(self, message: OutboxMessage) -> None:
+        """Return once the destination has confirmed ``message`` (published with ``message.id`` as its
+        dedup id); raise on any failure, which the relay retries later."""
+        ...
+
+    async def close(self) -> None:
+        """Release connections."""
+        ...
+
+
+class OutboxRelay:
+    """Moves outbox rows to a :class:`Publisher`; run several at once on PostgreSQL, one on SQLite."""
+
+    def __init__(self, outbox: Outbox, publisher: Publisher, settings: Settings,
+                 *, sweep_interval_seconds: float | None = None) -> None:
+        self.outbox = outbox
+        self.publisher = publisher
+        self.settings = settings
+        self.sweep_interval = sweep_interval_seconds or settings.sweep_interval_seconds
+        self._wake = asyncio.Event()
+
+    def wake(self) -> None:
+        """Look for due rows now instead of at the next poll."""
+        self._wake.set()
+
+    async def run_once(self) -> tuple[int, int]:
+        """One round: claim a batch, publish it, record the outcome. Returns ``(published, failed)``."""
+        async with self.outbox.claim(self.settings.outbox_batch_size) as batch:
+            if batch.messages:
+                await self._publish(batch)
+        if batch.published:
+            metrics.OUTBOX_PUBLISHED.inc(len(batch.published))
+        if batch.failed:
+            metrics.OUTBOX_FAILURES.inc(len(batch.failed))
+        return len(batch.published), len(batch.failed)
+
+    async def drain(self) -> int:
+        """Publish rounds until no row is due; returns how many were published (for tests and bursts)."""
+        total = 0
+        while True:
+            published, failed = await self.run_once()
+            total += published
+            if published + failed < self.settings.outbox_batch_size or failed:
+                return total
+
+    async def _publish(self, batch: OutboxBatch) -> None:
+        timeout = self.settings.outbox_publish_timeout_seconds
+
+        async def one(message: OutboxMessage) -> None:
+            try:
+                await asyncio.wait_for(self.publisher.publish(message), timeout)
+            except Exception as exc:
+                delay = min(self.settings.outbox_backoff_max_seconds,
+                            self.settings.outbox_backoff_seconds * 2 ** message.attempts)
+                batch.mark_failed(message.id, f"{type(exc).__name__}: {exc}", delay)
+            else:
+                batch.mark_published(message.id)
+
+        # Confirms are pipelined on one channel: publishing the batch concurrently costs one round trip.
+        await asyncio.gather(*(one(m) for m in batch.messages))
+        if batch.failed:
+            error = next(iter(batch.failed.values()))[0]
+            log.warning("outbox: %d of %d publishes failed (%s)", len(batch.failed), len(batch.messages),
+                        error)
+
+    async def update_metrics(self) -> OutboxStats:
+        """Refresh the pending-count and oldest-age gauges."""
+        stats = await self.outbox.stats()
+        metrics.OUTBOX_PENDING.set(stats.pending)
+        metrics.OUTBOX_OLDEST_AGE.set(stats.oldest_age_seconds)
+        return stats
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Relay until ``stop`` is set: woken by NOTIFY on PostgreSQL, polling as a fallback."""
+        async with contextlib.AsyncExitStack() as stack:
+            try:
+                listening = await stack.enter_async_context(self.outbox.listen(self.wake))
+            except Exception as exc:
+                listening = False
+                log.warning("outbox: LISTEN failed (%s); polling only", type(exc).__name__)
+            log.info("outbox relay running (%s)", "LISTEN/NOTIFY and polling" if listening else "polling")
+            await self._loop(stop)
+
+    async def _loop(self, stop: asyncio.Event) -> None:
+        failures = 0
+        next_sweep = time.monotonic() + self.sweep_interval
+        next_stats = 0.0
+        while not stop.is_set():
+            self._wake.clear()
+            published = failed = 0
+            try:
+                published, failed = await self.run_once()
+                failures = failures + 1 if failed and not published else 0
+            except Exception as exc:  # the database is unreachable: back off like a failed publish
+                failures += 1
+                log.error("outbox relay round failed: %s", type(exc).__name__)
+            now = time.monotonic()
+            with contextlib.suppress(Exception):
+                if now >= next_stats:
+                    next_stats = now + self.settings.outbox_poll_seconds
+                    await self.update_metrics()
+                if now >= next_sweep:
+                    next_sweep = now + self.sweep_interval
+                    await self.outbox.sweep(self.settings.outbox_retention_seconds,
+                                            batch_size=self.settings.sweep_batch_size)
+            if published + failed >= self.settings.outbox_batch_size and not failed:
+                continue  # a full batch: more rows are probably due
+            delay = self.settings.outbox_poll_seconds
+            if failures:
+                delay = min(self.settings.outbox_backoff_max_seconds,
+                            self.settings.outbox_backoff_seconds * 2 ** (failures - 1))
+            await _first(stop, self._wake, seconds=delay)
+
+
+async def _first(*events: asyncio.Event, seconds: float) -> None:
+    waiters = [asyncio.create_task(e.wait()) for e in events]
+    try:
+        await asyncio.wait(waiters, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for waiter in waiters:
+            waiter.cancel()

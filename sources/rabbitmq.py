@@ -1,0 +1,336 @@
+"""RabbitMQ: a consuming source and the outbox publisher, on aio-pika.
+
+``RabbitMQSource(queue=..., namespace=..., version=...)`` consumes a queue over a robust connection
+(it reconnects and consumes again after a broker restart or a dropped connection) and settles each
+delivery only after the pipeline decided, that is after the inbox and the effect committed:
+
+============  ==========================================================================================
+ACK           ``basic.ack``
+RETRY_LATER   a copy to the retry queue whose TTL is the smallest configured delay that covers both the
+              pipeline's ``Result.delay`` and this attempt's backoff step (it dead-letters back into the
+              queue when the TTL runs out), then ack; ``retry_delays=()`` requeues instead
+DEAD_LETTER   a copy to ``<queue>.dlq`` with the reason in ``x-consumer-kit-reason``, then ack;
+              ``dead_letter=False`` rejects without requeue (the queue's own dead-letter exchange)
+============  ==========================================================================================
+
+The copy is confirmed by the broker before the original is acked, so a crash in between delivers the
+message twice, never zero times; the inbox absorbs the repeat. The key is the AMQP ``message_id``
+property only: a message without one is parked "missing_stable_id" and dead-lettered, never keyed by
+delivery tag or body. The attempt number comes from the copy's ``x-consumer-kit-attempt`` header plus
+``x-delivery-count`` (quorum queues) or the redelivered flag.
+
+``AmqpPublisher`` implements :class:`consumer_kit.relay.Publisher`: it publishes outbox rows with
+publisher confirms, ``message_id`` = the row id, persistent, and mandatory (an unroutable destination
+is a failure, so the row stays pending).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+try:
+    import aio_pika
+    from aio_pika.abc import (
+        AbstractChannel,
+        AbstractConnection,
+        AbstractExchange,
+        AbstractIncomingMessage,
+        AbstractQueue,
+    )
+except ModuleNotFoundError as exc:  # pragma: no cover - exercised only without the extra
+    raise ModuleNotFoundError(
+        "sources.rabbitmq needs aio-pika: pip install 'consumer-kit[rabbitmq]'", name=exc.name
+    ) from exc
+
+from consumer_kit.delivery import Delivery, Dispatch, KeyedSource, KeyMapper, Result, Settlement
+from consumer_kit.errors import ConfigurationError
+from consumer_kit.settings import Settings
+from consumer_kit.store.outbox import OutboxMessage
+
+log = logging.getLogger("consumer_kit.sources.rabbitmq")
+
+REASON_HEADER = "x-consumer-kit-reason"
+ATTEMPT_HEADER = "x-consumer-kit-attempt"
+SOURCE_QUEUE_HEADER = "x-consumer-kit-queue"
+NO_ID_HEADER = "x-consumer-kit-no-message-id"
+"""Set on a copy of a message that had no ``message_id``: aiormq gives every message it publishes a
+random id, and a copy must never be keyed by that."""
+DEFAULT_RETRY_DELAYS = (1.0, 5.0, 30.0, 120.0)
+SETTLE_TIMEOUT_SECONDS = 10.0  # how long close() waits for acks and copies already under way
+
+
+class RabbitMQSource(KeyedSource):
+    """Consumes ``queue``; ``prefetch`` bounds how many deliveries are processed at once.
+
+    ``url`` defaults to the ``RABBITMQ_URL`` setting. With ``declare=True`` (the default) the queue,
+    its dead-letter queue and the retry queues are declared durable (``queue_arguments`` for the main
+    queue, e.g. ``{"x-queue-type": "quorum"}``); with ``declare=False`` they are only checked
+    passively, and a missing one stops the start with a ConfigurationError.
+    """
+
+    def __init__(
+        self,
+        *,
+        queue: str,
+        namespace: str,
+        version: int,
+        url: str | None = None,
+        prefetch: int = 32,
+        name: str | None = None,
+        key_mapper: KeyMapper | None = None,
+        declare: bool = True,
+        queue_arguments: Mapping[str, Any] | None = None,
+        dead_letter: bool = True,
+        dead_letter_queue: str | None = None,
+        retry_delays: Sequence[float] = DEFAULT_RETRY_DELAYS,
+        settings: Settings | None = None,
+    ) -> None:
+        super().__init__(namespace=namespace, version=version, key_mapper=key_mapper)
+        if prefetch < 1:
+            raise ConfigurationError("prefetch must be at least 1")
+        self.queue = queue
+        self.name = name or f"rabbitmq:{queue}"
+        self.url = url
+        self.prefetch = prefetch
+        self.declare = declare
+        self.queue_arguments = dict(queue_arguments or {})
+        self.dead_letter = dead_letter
+        self.dead_letter_queue = dead_letter_queue or f"{queue}.dlq"
+        self.retry_delays = tuple(sorted(retry_delays))
+        self.settings = settings
+        self._connection: AbstractConnection | None = None
+        self._channel: AbstractChannel | None = None
+        self._queue: AbstractQueue | None = None
+        self._consumer_tag: str | None = None
+        self._dispatch: Dispatch | None = None
+        self._in_flight: set[asyncio.Task[Any]] = set()
+
+    def retry_queue(self, delay: float) -> str:
+        """The name of the retry queue for ``delay`` seconds."""
+        return f"{self.queue}.retry.{round(delay * 1000)}ms"
+
+    async def start(self, dispatch: Dispatch) -> None:
+        """Connect, declare (or check) the queues, and begin consuming."""
+        url = (self.settings or Settings()).require_rabbitmq_url(self.url)
+        self._dispatch = dispatch
+        try:
+            self._connection = await aio_pika.connect_robust(
+                url, client_properties={"connection_name": self.name})
+        except Exception as exc:
+            raise ConfigurationError(f"cannot connect to RabbitMQ for {self.name}: {type(exc).__name__}") \
+                from exc
+        self._channel = await self._connection.channel(publisher_confirms=True)
+        await self._channel.set_qos(prefetch_count=self.prefetch)
+        self._queue = await self._declare(self._channel)
+        self._consumer_tag = await self._queue.consume(self._on_message)
+        log.info("consuming %s (prefetch %d)", self.queue, self.prefetch)
+
+    async def _declare(self, channel: AbstractChannel) -> AbstractQueue:
+        retries: dict[str, dict[str, Any]] = {
+            self.retry_queue(d): {"x-message-ttl": round(d * 1000), "x-dead-letter-exchange": "",
+                                  "x-dead-letter-routing-key": self.queue}
+            for d in self.retry_delays
+        }
+        if not self.declare:
+            try:
+                for extra in ([self.dead_letter_queue] if self.dead_letter else []) + list(retries):
+                    # A channel of its own: a failed passive declare closes the channel it ran on.
+                    async with self._scratch_channel() as scratch:
+                        await scratch.declare_queue(extra, passive=True)
+                return await channel.declare_queue(self.queue, passive=True)
+            except aio_pika.exceptions.ChannelClosed as exc:
+                raise ConfigurationError(
+                    f"{self.name}: a queue it needs is missing (declare=False checks passively): {exc}"
+                ) from exc
+        queue = await channel.declare_queue(self.queue, durable=True, arguments=self.queue_arguments or None)
+        if self.dead_letter:
+            await channel.declare_queue(self.dead_letter_queue, durable=True)
+        for name, arguments in retries.items():
+            await channel.declare_queue(name, durable=True, arguments=arguments)
+        return queue
+
+    @contextlib.asynccontextmanager
+    async def _scratch_channel(self) -> Any:
+        assert self._connection is not None
+        channel = await self._connection.channel()
+        try:
+            yield channel
+        finally:
+            with contextlib.suppress(Exception):
+                await channel.close()
+
+    async def _on_message(self, message: AbstractIncomingMessage) -> None:
+        task = asyncio.current_task()
+        assert task is not None and self._dispatch is not None
+        self._in_flight.add(task)
+        try:
+            delivery = to_delivery(message)
+            result = await self._dispatch(delivery)
+            await self._settle(message, delivery, result)
+        except asyncio.CancelledError:
+            raise  # unsettled: the broker redelivers when the channel closes
+        except Exception as exc:
+            # Usually the connection dropped after the commit: the redelivery is acked as a duplicate.
+            log.warning("%s: settlement not delivered to the broker (%s); it will redeliver",
+                        self.name, type(exc).__name__)
+        finally:
+            self._in_flight.discard(task)
+
+    async def _settle(self, message: AbstractIncomingMessage, delivery: Delivery, result: Result) -> None:
+        if result.settlement is Settlement.ACK:
+            await message.ack()
+        elif result.settlement is Settlement.DEAD_LETTER:
+            if not self.dead_letter:
+                await message.reject(requeue=False)
+                return
+            headers = {REASON_HEADER: result.reason or "dead_letter", SOURCE_QUEUE_HEADER: self.queue}
+            await self._republish(message, self.dead_letter_queue, headers)
+            await message.ack()
+        elif not self.retry_delays:
+            # No retry queue: give the broker the message back after a short pause, so that a key
+            # in progress elsewhere is not spun on at network speed.
+            await asyncio.sleep(min(result.delay or 0.0, 1.0))
+            await message.nack(requeue=True)
+        else:
+            delay = self._retry_delay(delivery.attempt, result.delay)
+            await self._republish(message, self.retry_queue(delay), {ATTEMPT_HEADER: delivery.attempt + 1})
+            await message.ack()
+
+    def _retry_delay(self, attempt: int, wanted: float | None) -> float:
+        """The configured delay for this retry: at least the pipeline's and at least this attempt's step."""
+        step = self.retry_delays[min(attempt - 1, len(self.retry_delays) - 1)]
+        floor = max(step, wanted or 0.0)
+        return next((d for d in self.retry_delays if d >= floor), self.retry_delays[-1])
+
+    async def _republish(self, message: AbstractIncomingMessage, queue: str,
+                         extra: Mapping[str, Any]) -> None:
+        assert self._channel is not None
+        dropped = ("x-death", "x-delivery-count")  # the broker's per-delivery bookkeeping
+        headers = {k: v for k, v in (message.headers or {}).items() if k not in dropped}
+        headers.update(extra)
+        if not message.message_id:
+            headers[NO_ID_HEADER] = 1
+        copy = aio_pika.Message(
+            body=message.body, headers=headers, message_id=message.message_id,
+            content_type=message.content_type, content_encoding=message.content_encoding,
+            correlation_id=message.correlation_id, type=message.type, app_id=message.app_id,
+            timestamp=message.timestamp, priority=message.priority,
+            delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+        )
+        await self._channel.default_exchange.publish(copy, routing_key=queue)
+
+    async def stop(self) -> None:
+        """Cancel the consumer: the broker sends no more; deliveries already received go on."""
+        if self._queue is not None and self._consumer_tag is not None:
+            tag, self._consumer_tag = self._consumer_tag, None
+            with contextlib.suppress(Exception):
+                await self._queue.cancel(tag)
+
+    async def close(self) -> None:
+        """Wait for settlements in progress (bounded), then close the connection; whatever is still
+        unacknowledged goes back to the queue."""
+        if self._in_flight:
+            await asyncio.wait(set(self._in_flight), timeout=SETTLE_TIMEOUT_SECONDS)
+        if self._connection is not None:
+            connection, self._connection = self._connection, None
+            with contextlib.suppress(Exception):
+                await connection.close()
+        self._channel = self._queue = None
+        self._dispatch = None
+
+
+def to_delivery(message: AbstractIncomingMessage) -> Delivery:
+    """The :class:`Delivery` of an AMQP message: id from ``message_id`` only, attempt from headers."""
+    raw = dict(message.headers or {})
+    raw.pop("x-death", None)  # the broker's dead-lettering history: bulky, and not the message's
+    attempt = _int(raw.get(ATTEMPT_HEADER), 1)
+    delivery_count = raw.get("x-delivery-count")
+    if delivery_count is not None:
+        attempt += _int(delivery_count, 0)
+    elif message.redelivered:
+        attempt += 1
+    attributes = {"type": message.type} if message.type else {}
+    message_id = None if raw.get(NO_ID_HEADER) else message.message_id
+    return Delivery(
+        id=message_id, body=message.body,
+        headers={k: _text(v) for k, v in raw.items()}, attributes=attributes, attempt=attempt,
+    )
+
+
+def _int(value: Any, default: int) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return default
+
+
+def _text(value: Any) -> str:
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    if isinstance(value, str):
+        return value
+    return json.dumps(value, default=str)
+
+
+class AmqpPublisher:
+    """Publishes outbox rows: ``destination`` is the routing key on ``exchange`` (default: the
+    default exchange, so a queue name). Connects lazily and again after any failure."""
+
+    def __init__(self, url: str | None = None, *, exchange: str = "", settings: Settings | None = None,
+                 connection_name: str = "consumer-kit-relay") -> None:
+        self.url = url
+        self.exchange_name = exchange
+        self.settings = settings
+        self.connection_name = connection_name
+        self._connection: AbstractConnection | None = None
+        self._channel: AbstractChannel | None = None
+        self._exchange: AbstractExchange | None = None
+        self._lock = asyncio.Lock()
+
+    async def _ready(self) -> AbstractExchange:
+        async with self._lock:
+            channel, exchange = self._channel, self._exchange
+            if exchange is not None and channel is not None and not channel.is_closed:
+                return exchange
+            await self._drop()
+            url = (self.settings or Settings()).require_rabbitmq_url(self.url)
+            connection = await aio_pika.connect(
+                url, timeout=5, client_properties={"connection_name": self.connection_name})
+            channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
+            if self.exchange_name:
+                exchange = await channel.get_exchange(self.exchange_name, ensure=True)
+            else:
+                exchange = channel.default_exchange
+            self._connection, self._channel, self._exchange = connection, channel, exchange
+            return exchange
+
+    async def publish(self, message: OutboxMessage) -> None:
+        """Publish and wait for the broker's confirm; raise on nack, return or connection loss."""
+        exchange = await self._ready()
+        amqp = aio_pika.Message(body=message.body, headers=dict(message.headers), message_id=message.id,
+                                delivery_mode=aio_pika.DeliveryMode.PERSISTENT)
+        try:
+            await exchange.publish(amqp, routing_key=message.destination, mandatory=True)
+        except (aio_pika.exceptions.DeliveryError, aio_pika.exceptions.PublishError):
+            raise  # the broker answered (nack, unroutable): the connection is fine
+        except Exception:
+            async with self._lock:
+                if self._exchange is exchange:  # not one a concurrent publish has just reopened
+                    await self._drop()
+            raise
+
+    async def _drop(self) -> None:
+        connection, self._connection, self._channel, self._exchange = self._connection, None, None, None
+        if connection is not None:
+            with contextlib.suppress(Exception):
+                await connection.close()
+
+    async def close(self) -> None:
+        """Close the connection."""
+        async with self._lock:
+            await self._drop()

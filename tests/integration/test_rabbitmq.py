@@ -1,0 +1,189 @@
+"""RabbitMQSource against the real broker and PostgreSQL: dedup at volume, dead letters, a broker-side
+close, and two workers sharing a queue."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from collections.abc import AsyncIterator
+
+import pytest
+from sqlalchemy import Column, Integer, MetaData, String, Table, distinct, func, select
+
+from consumer_kit import ConsumerApp, Context, Settings
+from sources.rabbitmq import NO_ID_HEADER, REASON_HEADER, RabbitMQSource
+from tests.conftest import make_settings
+from tests.integration.rabbit import (
+    AMQP_URL,
+    close_connections_named,
+    delete_queues,
+    depth,
+    drain,
+    publish,
+    publish_without_id,
+    wait_until,
+)
+
+pytestmark = [pytest.mark.rabbitmq, pytest.mark.postgres]
+
+effects_metadata = MetaData()
+effects = Table(
+    "rabbit_effects", effects_metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("message", String(100), nullable=False),
+    Column("worker", String(20), nullable=False),
+)
+
+
+@pytest.fixture
+async def queue() -> AsyncIterator[str]:
+    name = f"ck-test-{secrets.token_hex(4)}"
+    yield name
+    await delete_queues(name)
+
+
+@pytest.fixture
+async def pg(pg_database: str) -> str:
+    settings = make_settings(pg_database)
+    app = ConsumerApp(settings)
+    async with app.running():
+        async with app.engine.begin() as conn:
+            await conn.run_sync(effects_metadata.drop_all)
+            await conn.run_sync(effects_metadata.create_all)
+    return pg_database
+
+
+def worker(settings: Settings, queue: str, tag: str, *, prefetch: int = 32,
+           single_transaction: bool = False) -> tuple[ConsumerApp, RabbitMQSource]:
+    app = ConsumerApp(settings)
+    source = RabbitMQSource(queue=queue, namespace="orders", version=1, url=AMQP_URL,
+                            name=f"{queue}-{tag}", retry_delays=(0.2, 0.5), prefetch=prefetch)
+
+    @app.handler(source, name="rabbit-test", single_transaction=single_transaction)
+    async def handle(ctx: Context) -> None:
+        await ctx.db.execute(effects.insert().values(message=ctx.delivery.text(), worker=tag))
+
+    return app, source
+
+
+async def counts(app: ConsumerApp) -> tuple[int, int]:
+    async with app.engine.connect() as conn:
+        row = (await conn.execute(select(func.count(), func.count(distinct(effects.c.message))))).one()
+    return int(row[0]), int(row[1])
+
+
+async def test_ten_thousand_with_duplicates(pg: str, queue: str) -> None:
+    ids = [f"order-{i:05d}" for i in range(10_000)]
+    messages = [(i, i.encode()) for i in ids] + [(i, i.encode()) for i in ids[::10]]  # 10% twice
+    # The single-transaction path, the fast one for handlers whose only effect is in the database.
+    app, _ = worker(make_settings(pg, db_pool_size=10), queue, "a", prefetch=100, single_transaction=True)
+    async with app.running():
+        await publish(queue, messages)
+
+        async def done() -> bool:
+            return (await counts(app))[0] >= 10_000 and await depth(queue) == 0
+
+        await wait_until(done, 90, "10,000 effects")
+        await asyncio.sleep(0.3)  # let any stray duplicate land, had there been one
+        assert await counts(app) == (10_000, 10_000)
+    # The consumer is gone: anything it had left unacknowledged would be back in the queue now.
+    assert await depth(queue) == 0
+    assert await depth(f"{queue}.dlq") == 0
+
+
+async def test_missing_message_id_is_dead_lettered(pg: str, queue: str) -> None:
+    app, _ = worker(make_settings(pg, db_pool_size=5), queue, "a")
+    async with app.running():
+        await publish(queue, [("has-id-1", b"fine")])
+        await publish_without_id(queue, [b"no-id-1", b"no-id-2"])
+
+        async def parked() -> bool:
+            return await depth(f"{queue}.dlq") == 2 and (await counts(app))[0] == 1
+
+        await wait_until(parked, 20, "two dead letters")
+        letters = await app.dead_letters.list(reason="missing_stable_id")
+        assert sorted(letter.body for letter in letters) == [b"no-id-1", b"no-id-2"]
+        assert all(letter.key_digest is None for letter in letters)
+    assert await depth(queue) == 0
+    dlq = await drain(f"{queue}.dlq")
+    assert sorted(m.body for m in dlq) == [b"no-id-1", b"no-id-2"]
+    assert all((m.headers or {})[REASON_HEADER] == "missing_stable_id" for m in dlq)
+    # aiormq gives every publish a random message_id; the copy says the original had none.
+    assert all((m.headers or {})[NO_ID_HEADER] == 1 for m in dlq)
+
+
+async def test_recovers_after_the_broker_closes_the_connection(pg: str, queue: str) -> None:
+    app, source = worker(make_settings(pg, db_pool_size=5), queue, "a", prefetch=16)
+    async with app.running():
+        await publish(queue, [(f"m-{i:04d}", f"m-{i:04d}".encode()) for i in range(300)])
+
+        async def some() -> bool:
+            return (await counts(app))[0] >= 50
+
+        await wait_until(some, 20, "the first effects")
+        assert await asyncio.to_thread(close_connections_named, source.name) == 1
+        await publish(queue, [(f"m-{i:04d}", f"m-{i:04d}".encode()) for i in range(300, 600)])
+
+        async def all_done() -> bool:
+            return (await counts(app))[1] == 600 and await depth(queue) == 0
+
+        await wait_until(all_done, 60, "all 600 effects after the reconnect")
+        await asyncio.sleep(0.3)
+        assert await counts(app) == (600, 600)
+    assert await depth(queue) == 0
+
+
+async def test_two_workers_share_a_queue(pg: str, queue: str) -> None:
+    app1, _ = worker(make_settings(pg, db_pool_size=5), queue, "one", prefetch=8)
+    app2, _ = worker(make_settings(pg, db_pool_size=5), queue, "two", prefetch=8)
+    async with app1.running(), app2.running():
+        await publish(queue, [(f"w-{i:04d}", f"w-{i:04d}".encode()) for i in range(1_000)])
+
+        async def done() -> bool:
+            return (await counts(app1))[0] >= 1_000 and await depth(queue) == 0
+
+        await wait_until(done, 60, "1,000 effects")
+        async with app1.engine.connect() as conn:
+            per_worker = dict((await conn.execute(
+                select(effects.c.worker, func.count()).group_by(effects.c.worker))).all())
+        assert await counts(app1) == (1_000, 1_000)
+    assert per_worker.get("one", 0) > 0 and per_worker.get("two", 0) > 0
+    assert await depth(queue) == 0
+
+
+async def test_retry_later_goes_through_the_retry_queue(pg: str, queue: str) -> None:
+    settings = make_settings(pg, db_pool_size=5, retry_attempts=1, retry_later_seconds=0.1)
+    app = ConsumerApp(settings)
+    source = RabbitMQSource(queue=queue, namespace="orders", version=1, url=AMQP_URL, retry_delays=(0.2, 0.4))
+    attempts: list[int] = []
+
+    @app.handler(source)
+    async def flaky(ctx: Context) -> None:
+        attempts.append(ctx.delivery.attempt)
+        if len(attempts) < 3:
+            raise ConnectionError("downstream down")
+        await ctx.db.execute(effects.insert().values(message=ctx.delivery.text(), worker="r"))
+
+    async with app.running():
+        await publish(queue, [("retry-me-1", b"retry-me-1")])
+
+        async def done() -> bool:
+            return (await counts(app))[0] == 1
+
+        await wait_until(done, 20, "the third attempt to succeed")
+    assert attempts == [1, 2, 3]
+    assert await depth(queue) == 0 and await depth(f"{queue}.retry.200ms") == 0
+
+
+async def test_passive_check_reports_missing_queues(queue: str, sqlite_url: str) -> None:
+    app = ConsumerApp(make_settings(sqlite_url))
+    source = RabbitMQSource(queue=queue, namespace="orders", version=1, url=AMQP_URL, declare=False)
+
+    @app.handler(source)
+    async def handle(ctx: Context) -> None:
+        pass
+
+    from consumer_kit import ConfigurationError
+
+    with pytest.raises(ConfigurationError, match="missing"):
+        await app.start()
