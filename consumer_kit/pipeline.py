@@ -51,6 +51,7 @@ from consumer_kit.keys import KeyDigester, OperationKey, short
 from consumer_kit.settings import Settings
 from consumer_kit.store import Claim, ClaimStatus, DeadLetters, Inbox, OutboxWriter
 from consumer_kit.store.database import DEFERRED
+from consumer_kit.store.inbox import verdict
 
 log = logging.getLogger("consumer_kit.pipeline")
 
@@ -240,6 +241,11 @@ class Pipeline:
         """Claim, effect and completion in one commit; only for handlers that touch nothing but the
         database, since a handler that calls out would repeat its call after a rollback."""
         started = time.perf_counter()
+        # A replay is answered by one plain read: without it, a duplicate would open a transaction,
+        # lose the insert race and lock the row only to learn that it is done.
+        existing = await self.inbox.lookup(spec.consumer, digests)
+        if existing is not None and (existing["state"] != "started" or existing["fingerprint"] != fingerprint):
+            return await self._not_acquired(spec, delivery, key, verdict(existing, fingerprint))
         error: BaseException | None = None
         for attempt in range(1, self.settings.retry_attempts + 1):
             try:

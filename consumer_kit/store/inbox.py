@@ -123,7 +123,7 @@ class Inbox:
         # indexed SELECT and no write, so no lock and no WAL flush.
         existing = await self.lookup(consumer, digests)
         if existing is not None and (existing["state"] != "started" or existing["fingerprint"] != fingerprint):
-            return _verdict(existing, fingerprint)
+            return verdict(existing, fingerprint)
         digest = existing["key_digest"] if existing is not None else digests[0]
         now = self.clock()
         token = secrets.token_hex(16)
@@ -147,7 +147,7 @@ class Inbox:
         row = await self.lookup(consumer, [digest])
         if row is None:  # swept between our statements: a brand-new key after all
             return await self.claim(consumer, digests, fingerprint, namespace=namespace, version=version)
-        return _verdict(row, fingerprint)
+        return verdict(row, fingerprint)
 
     async def _claim_on_lane(
         self, consumer: str, digests: Sequence[str], fingerprint: str, *, namespace: str, version: int
@@ -167,7 +167,7 @@ class Inbox:
             if row is None:  # and already swept again: try afresh
                 return await self._claim_on_lane(consumer, digests, fingerprint, namespace=namespace,
                                                  version=version)
-        return _verdict(row, fingerprint)
+        return verdict(row, fingerprint)
 
     async def claim_in(
         self,
@@ -219,7 +219,7 @@ class Inbox:
             row = await self._find(conn, consumer, digests, lock=True)
             assert row is not None
         if row["fingerprint"] != fingerprint or row["state"] != "started":
-            return _verdict(row, fingerprint)
+            return verdict(row, fingerprint)
         if row["locked_until"] is not None and row["locked_until"] > now:
             return Claim(ClaimStatus.IN_PROGRESS, row["key_digest"], row["attempts"],
                          locked_until=row["locked_until"])
@@ -357,8 +357,8 @@ def _same_token(token: str | None) -> Any:
     return inbox.c.lease_token.is_(None) if token is None else inbox.c.lease_token == token
 
 
-def _verdict(row: dict[str, Any], fingerprint: str) -> Claim:
-    """What a committed row says to a new attempt that did not get the lease."""
+def verdict(row: dict[str, Any], fingerprint: str) -> Claim:
+    """What a committed row says to an attempt that did not get (or did not try for) the lease."""
     if row["fingerprint"] != fingerprint:
         status = ClaimStatus.CONFLICT
     else:  # a started row we could not take over holds a live lease
