@@ -140,3 +140,22 @@ class KeyedSource:
         if stable_id is None:
             raise MissingStableId()
         return OperationKey(self.namespace, self.version, stable_id)
+
+
+class CallIntake:
+    """``start``/``stop``/``close`` for a source whose deliveries arrive by call (an HTTP request, a
+    test's ``deliver``) rather than from a broker connection: it holds ``dispatch`` while running.
+    ``_dispatch`` is ``None`` when stopped; the source answers "unavailable" then."""
+
+    _dispatch: Dispatch | None = None
+
+    async def start(self, dispatch: Dispatch) -> None:
+        """Accept deliveries."""
+        self._dispatch = dispatch
+
+    async def stop(self) -> None:
+        """Refuse further deliveries; those already dispatched go on."""
+        self._dispatch = None
+
+    async def close(self) -> None:
+        """Nothing to release."""

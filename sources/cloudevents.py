@@ -42,7 +42,7 @@ except ModuleNotFoundError as exc:  # pragma: no cover - depends on the installa
     ) from exc
 
 from consumer_kit.asgi import read_body, reject, respond, unavailable
-from consumer_kit.delivery import Delivery, Dispatch, Result, Settlement
+from consumer_kit.delivery import CallIntake, Delivery, Result, Settlement
 from consumer_kit.errors import MissingStableId, UnparseableDelivery
 from consumer_kit.http import (
     DEFAULT_BODY_LIMIT,
@@ -169,7 +169,7 @@ def _media_type(value: str) -> str:
     return value.split(";", 1)[0].strip().lower()
 
 
-class CloudEventsSource:
+class CloudEventsSource(CallIntake):
     """CloudEvents POSTed to ``path`` (binary or structured mode; batched mode with ``batch=True``),
     keyed ``namespace:v<version>:<source>#<id>``.
 
@@ -197,22 +197,13 @@ class CloudEventsSource:
         self.allowed_origins = frozenset(allowed_origins)
         self.allowed_rate = allowed_rate
         self.body_limit = body_limit
-        self._dispatch: Dispatch | None = None
 
     def key(self, delivery: Delivery) -> OperationKey:
         """``namespace:v<version>:<source>#<id>``; raises MissingStableId or UnparseableDelivery."""
         return OperationKey(self.namespace, self.version, event_key(delivery.headers, delivery.body))
 
-    async def start(self, dispatch: Dispatch) -> None:
-        """Accept events."""
-        self._dispatch = dispatch
 
-    async def stop(self) -> None:
-        """Answer 503 to new requests."""
-        self._dispatch = None
 
-    async def close(self) -> None:
-        """Nothing to release."""
 
     async def handle(self, request: Request) -> Response:
         """The handshake (OPTIONS) or one delivery request (POST)."""

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from consumer_kit.delivery import Delivery, Dispatch, KeyedSource, KeyMapper, Result, Settlement
+from consumer_kit.delivery import CallIntake, Delivery, KeyedSource, KeyMapper, Result, Settlement
 
 
-class InMemorySource(KeyedSource):
+class InMemorySource(CallIntake, KeyedSource):
     """Deliveries handed over by a call instead of a broker.
 
     ``await source.deliver(id="m-1", body=b"...")`` runs the delivery through the app's pipeline and
@@ -20,18 +20,9 @@ class InMemorySource(KeyedSource):
         super().__init__(namespace=namespace, version=version, key_mapper=key_mapper)
         self.name = name or f"memory:{namespace}"
         self.settled: list[tuple[Delivery, Result]] = []
-        self._dispatch: Dispatch | None = None
 
-    async def start(self, dispatch: Dispatch) -> None:
-        """Accept deliveries."""
-        self._dispatch = dispatch
 
-    async def stop(self) -> None:
-        """Refuse further deliveries."""
-        self._dispatch = None
 
-    async def close(self) -> None:
-        """Nothing to release."""
 
     async def deliver(
         self,

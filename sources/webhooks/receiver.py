@@ -14,14 +14,14 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from consumer_kit.asgi import read_body, reject, respond, single_headers, unavailable
-from consumer_kit.delivery import Delivery, Dispatch
+from consumer_kit.delivery import CallIntake, Delivery
 from consumer_kit.errors import MissingStableId, TerminalError
 from consumer_kit.http import DEFAULT_BODY_LIMIT, RequestRejected
 from consumer_kit.keys import OperationKey
 from sources.webhooks.verifiers import Verifier
 
 
-class WebhookSource:
+class WebhookSource(CallIntake):
     """Deliveries POSTed by a webhook provider to ``path``, authenticated by ``verifier``.
 
     ``namespace`` and ``version`` form the operation key with the provider's stable id
@@ -41,7 +41,6 @@ class WebhookSource:
         self.version = version
         self.name = name or f"webhook:{namespace}"
         self.body_limit = body_limit
-        self._dispatch: Dispatch | None = None
 
     def key(self, delivery: Delivery) -> OperationKey:
         """``namespace:v<version>:<provider id>``, read by the verifier from the verified delivery."""
@@ -50,16 +49,8 @@ class WebhookSource:
             raise MissingStableId()
         return OperationKey(self.namespace, self.version, stable_id)
 
-    async def start(self, dispatch: Dispatch) -> None:
-        """Accept deliveries."""
-        self._dispatch = dispatch
 
-    async def stop(self) -> None:
-        """Answer 503 to new requests (the provider retries them later)."""
-        self._dispatch = None
 
-    async def close(self) -> None:
-        """Nothing to release."""
 
     async def handle(self, request: Request) -> Response:
         """Verify one request and answer the pipeline's verdict on it."""
