@@ -1,3 +1,4 @@
+# ruff: noqa: ASYNC109  (the timeout parameters are httpcore's network-stream interface)
 """An httpx transport whose connection pool hands each request a keep-alive connection of its own.
 
 httpcore's ``AsyncConnectionPool`` re-plans the whole pool on every request and every response close:
@@ -16,8 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import ssl
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from types import TracebackType
+from typing import Any
 
 import httpcore
 import httpx
@@ -70,7 +72,8 @@ class _KeepAlivePool(httpcore.AsyncConnectionPool):
                 await candidate.aclose()
             if connection is None:
                 connection = httpcore.AsyncHTTPConnection(
-                    origin, ssl_context=self._ssl_context, keepalive_expiry=self._keepalive_expiry)
+                    origin, ssl_context=self._ssl_context, keepalive_expiry=self._keepalive_expiry,
+                    network_backend=_COALESCING)
             response = await connection.handle_async_request(request)
         except BaseException:
             if connection is not None:
@@ -133,3 +136,73 @@ class _Returning:
             await self._response.aclose()
         finally:
             await self._pool._give_back(self._origin, self._connection)
+
+
+class _CoalescingBackend(httpcore.AsyncNetworkBackend):
+    """httpcore's default network backend, with streams that send a request's head with its body.
+
+    httpcore writes the request head and each body chunk separately, so a small POST was two
+    ``send`` calls and two TCP segments, and the server woke up (and parsed) twice per request.
+    """
+
+    def __init__(self) -> None:
+        self._backend = httpcore.AnyIOBackend()
+
+    async def connect_tcp(self, host: str, port: int, timeout: float | None = None,
+                          local_address: str | None = None,
+                          socket_options: Iterable[httpcore.SOCKET_OPTION] | None = None,
+                          ) -> httpcore.AsyncNetworkStream:
+        return _CoalescingStream(await self._backend.connect_tcp(
+            host, port, timeout=timeout, local_address=local_address, socket_options=socket_options))
+
+    async def connect_unix_socket(self, path: str, timeout: float | None = None,
+                                  socket_options: Iterable[httpcore.SOCKET_OPTION] | None = None,
+                                  ) -> httpcore.AsyncNetworkStream:
+        return _CoalescingStream(await self._backend.connect_unix_socket(
+            path, timeout=timeout, socket_options=socket_options))
+
+    async def sleep(self, seconds: float) -> None:
+        await self._backend.sleep(seconds)
+
+
+class _CoalescingStream(httpcore.AsyncNetworkStream):
+    """Holds back the first write after a read (a request's head) until the next write or read.
+
+    Only the head is held, never body bytes: a streamed body still goes out chunk by chunk, and
+    a request without a body is flushed by the empty end-of-message write or by the first read.
+    """
+
+    def __init__(self, stream: httpcore.AsyncNetworkStream) -> None:
+        self._stream = stream
+        self._held = b""
+        self._holding = True
+
+    async def write(self, buffer: bytes, timeout: float | None = None) -> None:
+        if self._holding and not self._held and buffer:
+            self._held = buffer
+            return
+        held, self._held, self._holding = self._held, b"", False
+        data = held + buffer
+        if data:
+            await self._stream.write(data, timeout)
+
+    async def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
+        if self._held:
+            held, self._held = self._held, b""
+            await self._stream.write(held, timeout)
+        self._holding = True
+        return await self._stream.read(max_bytes, timeout)
+
+    async def aclose(self) -> None:
+        self._held = b""
+        await self._stream.aclose()
+
+    async def start_tls(self, ssl_context: ssl.SSLContext, server_hostname: str | None = None,
+                        timeout: float | None = None) -> httpcore.AsyncNetworkStream:
+        return _CoalescingStream(await self._stream.start_tls(ssl_context, server_hostname, timeout))
+
+    def get_extra_info(self, info: str) -> Any:
+        return self._stream.get_extra_info(info)
+
+
+_COALESCING = _CoalescingBackend()
