@@ -94,10 +94,14 @@ async def served(url: str, keys: list[str]) -> float:
                         break
                 except httpx.TransportError:
                     await asyncio.sleep(0.1)
-            coordinator = HttpCoordinator(base, token="bench-token", client=http)
+        # The coordinator's own client, as an application gets it (its pool is not httpcore's).
+        coordinator = HttpCoordinator(base, token="bench-token", max_connections=CONCURRENCY)
+        try:
             await drive(keys[:200], lambda k: coordinator.create_session(REQUEST), CONCURRENCY)  # warm up
             return await drive(keys, lambda k: coordinator.create_session(REQUEST, idempotency_key=k),
                                CONCURRENCY)
+        finally:
+            await coordinator.aclose()
     finally:
         server.send_signal(signal.SIGTERM)
         await asyncio.wait_for(server.wait(), timeout=30)

@@ -106,7 +106,10 @@ def _coordinator_serve(args: argparse.Namespace) -> int:
     except ModuleNotFoundError as exc:
         raise ConfigurationError(
             f"{exc.name} is not installed: pip install 'consumer-kit[coordinator]'") from exc
-    asyncio.run(serve(Settings(), host=args.host, port=args.port))
+    # uvicorn installs uvloop only when it owns the loop (uvicorn.run); serve() runs inside ours, so
+    # choose it here: the stock loop cost the served coordinator about a third more CPU per request.
+    with asyncio.Runner(loop_factory=_fast_loop_factory()) as runner:
+        runner.run(serve(Settings(), host=args.host, port=args.port))
     return 0
 
 
@@ -133,6 +136,15 @@ async def _relay(app_target: str | None) -> int:
         await publisher.close()
         await engine.dispose()
     return 0
+
+
+def _fast_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop's event loop when it is installed (the ``coordinator`` extra), else asyncio's default."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
 
 
 def build_parser() -> argparse.ArgumentParser:
