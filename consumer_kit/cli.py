@@ -24,7 +24,8 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any, TypeVar
 
 from consumer_kit.app import ConsumerApp
 from consumer_kit.errors import ConfigurationError
@@ -33,6 +34,7 @@ from consumer_kit.settings import Settings
 from consumer_kit.store import DeadLetters, create_engine, ensure_schema, schema_revisions, upgrade
 
 Command = Callable[[argparse.Namespace], int]
+T = TypeVar("T")
 
 
 def load_app(target: str) -> ConsumerApp:
@@ -55,7 +57,7 @@ def _run(args: argparse.Namespace) -> int:
 
         serve(app, host=args.host, port=args.port, log_level=args.log_level)
         return 0
-    asyncio.run(app.serve())
+    run_async(app.serve())
     return 0
 
 
@@ -108,8 +110,7 @@ def _coordinator_serve(args: argparse.Namespace) -> int:
             f"{exc.name} is not installed: pip install 'consumer-kit[coordinator]'") from exc
     # uvicorn installs uvloop only when it owns the loop (uvicorn.run); serve() runs inside ours, so
     # choose it here: the stock loop cost the served coordinator about a third more CPU per request.
-    with asyncio.Runner(loop_factory=_fast_loop_factory()) as runner:
-        runner.run(serve(Settings(), host=args.host, port=args.port))
+    run_async(serve(Settings(), host=args.host, port=args.port))
     return 0
 
 
@@ -138,8 +139,15 @@ async def _relay(app_target: str | None) -> int:
     return 0
 
 
+def run_async(main: Coroutine[Any, Any, T]) -> T:
+    """Run a long-lived service coroutine (a worker, the relay, the coordinator) on the fastest event
+    loop installed: the worker's own CPU is mostly spent in the loop and the drivers under it."""
+    with asyncio.Runner(loop_factory=_fast_loop_factory()) as runner:
+        return runner.run(main)
+
+
 def _fast_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
-    """uvloop's event loop when it is installed (the ``coordinator`` extra), else asyncio's default."""
+    """uvloop's event loop when it is installed (a dependency except on Windows), else asyncio's."""
     try:
         import uvloop
     except ImportError:
@@ -190,7 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     outbox_commands = outbox.add_subparsers(dest="outbox_command", required=True)
     relay = outbox_commands.add_parser("relay", help="publish committed outbox rows until SIGTERM")
     relay.add_argument("--app", default=None, help="module:app whose settings and publisher to use")
-    relay.set_defaults(func=lambda a: asyncio.run(_relay(a.app)))
+    relay.set_defaults(func=lambda a: run_async(_relay(a.app)))
     return parser
 
 
