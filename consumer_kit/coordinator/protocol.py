@@ -8,6 +8,7 @@ sorted keys and no insignificant whitespace.
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import hashlib
 import json
@@ -131,20 +132,22 @@ class Coordinator(Protocol):
         ...
 
 
-class SessionScope:
+class SessionScope(abc.ABC):
     """The ``session(...)`` context manager, for any class with ``create_session`` and ``end_session``.
 
     On an exception inside the block the session is left active: a retry of the same work replays it
     (seed 000: a replay of an active session still enters the callback), and it expires at its TTL.
     """
 
+    @abc.abstractmethod
     async def create_session(
         self, request: SessionRequest, *, idempotency_key: str | None = None
     ) -> SessionReceipt:
-        raise NotImplementedError
+        """Create (or replay) a session; see :class:`Coordinator`."""
 
+    @abc.abstractmethod
     async def end_session(self, session_id: str) -> None:
-        raise NotImplementedError
+        """End a session; see :class:`Coordinator`."""
 
     @contextlib.asynccontextmanager
     async def session(self, *, idempotency_key: str | None = None, **fields: Any) -> AsyncIterator[SessionReceipt]:

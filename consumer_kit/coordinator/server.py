@@ -40,7 +40,7 @@ log = logging.getLogger("consumer_kit.coordinator.server")
 
 
 class _TooLarge(Exception):
-    pass
+    """The request body is over COORDINATOR_BODY_LIMIT_BYTES."""
 
 
 def _error(status: int, code: str) -> JSONResponse:

@@ -91,7 +91,7 @@ class Found:
 
 
 class _AtCap(Exception):
-    pass
+    """The scope holds its cap of live receipts: nothing may be created."""
 
 
 class ReceiptStore:
@@ -328,7 +328,7 @@ class ReceiptStore:
 
 
 class _Existing(Exception):
-    pass
+    """The insert met a committed receipt under the same digest."""
 
 
 def _verdict(found: dict[str, Any], fingerprint: str, now: datetime) -> Found:
