@@ -7,7 +7,7 @@ import contextlib
 import logging
 import signal
 from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import httpx
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -70,12 +70,15 @@ class ConsumerApp:
         max_deliveries: int | None = None,
         labels: list[str] | tuple[str, ...] = (),
         task: Callable[[Delivery], str] | str | None = None,
+        driver: Literal["sqlalchemy", "asyncpg"] = "sqlalchemy",
     ) -> Callable[[H], H]:
         """Register the handler of ``source``.
 
         ``name`` scopes the inbox (default: the function's name); keep it stable across deploys, since
         a new name forgets which deliveries were done. ``single_transaction=True`` claims, runs and
         completes in one commit: faster, and only for handlers whose every effect is in ``ctx.db``.
+        ``driver="asyncpg"`` (PostgreSQL) gives the handler ``ctx.connection``, the asyncpg connection
+        inside the delivery's transaction, instead of ``ctx.db``: the same guarantee at asyncpg's speed.
         ``labels`` and ``task`` describe the coordinator session: a handler with either gets one
         (``ctx.session``), created under ``ctx.key.derive("session")``; one with neither runs without.
         """
@@ -91,7 +94,7 @@ class ConsumerApp:
             self.specs.append(HandlerSpec(
                 func=func, source=source, consumer=name or func.__name__,
                 single_transaction=single_transaction, max_deliveries=max_deliveries,
-                labels=tuple(labels), task=task,
+                labels=tuple(labels), task=task, driver=driver,
             ))
             return func
 
@@ -156,9 +159,17 @@ class ConsumerApp:
             await engine.dispose()
             raise
         self._engine = engine
+        raw_handlers = any(spec.driver == "asyncpg" for spec in self.specs)
+        if raw_handlers and engine.dialect.name != "postgresql":
+            await engine.dispose()
+            self._engine = None
+            raise ConfigurationError("driver='asyncpg' handlers need PostgreSQL; DATABASE_URL is "
+                                     f"{engine.dialect.name}")
         if engine.dialect.name == "postgresql":
-            # Single autocommit statements hold a connection only for one round trip: half as many do.
-            self._lane = await PgLane.open(settings.database_url, size=max(2, settings.db_pool_size // 2))
+            # Single autocommit statements hold a connection only for one round trip: half as many
+            # do, unless asyncpg handlers run their whole transactions on the lane.
+            size = settings.db_pool_size if raw_handlers else max(2, settings.db_pool_size // 2)
+            self._lane = await PgLane.open(settings.database_url, size=size)
         self._http = httpx.AsyncClient(timeout=httpx.Timeout(20.0))
         self._coordinator = self._given_coordinator or self._default_coordinator(engine)
         self._pipeline = Pipeline(

@@ -32,6 +32,9 @@ class Context:
     outbox: OutboxWriter
     session: Any = None  # the coordinator's session receipt; None when no coordinator is configured
     http: httpx.AsyncClient | None = None
+    connection: Any = None
+    """The asyncpg connection inside the delivery's transaction, for a handler registered with
+    ``driver="asyncpg"`` (PostgreSQL): asyncpg's speed, with the same guarantee as ``db``."""
 
     def derive(self, destination: str) -> str:
         """The idempotency key for ``destination``: ``<destination>:<this key>``."""

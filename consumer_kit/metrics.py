@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import Counter, Gauge, Histogram
 
 DELIVERIES = Counter(
@@ -32,3 +34,21 @@ OUTBOX_OLDEST_AGE = Gauge(
 )
 OUTBOX_PUBLISHED = Counter("consumer_kit_outbox_published_total", "Outbox rows published and confirmed.")
 OUTBOX_FAILURES = Counter("consumer_kit_outbox_publish_failures_total", "Outbox publishes that failed.")
+
+
+class SourceMetrics:
+    """The labelled children of one source, looked up once: ``labels()`` takes a lock and a dict
+    lookup per call, several times per delivery otherwise."""
+
+    def __init__(self, source: str) -> None:
+        self.in_flight = IN_FLIGHT.labels(source)
+        self.handler_seconds = HANDLER_SECONDS.labels(source)
+        self._source = source
+        self._outcomes: dict[str, Any] = {}
+
+    def delivered(self, outcome: str) -> None:
+        """Count one delivery with ``outcome``."""
+        child = self._outcomes.get(outcome)
+        if child is None:
+            child = self._outcomes[outcome] = DELIVERIES.labels(self._source, outcome)
+        child.inc()

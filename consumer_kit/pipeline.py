@@ -27,7 +27,7 @@ import logging
 import random
 import time
 import traceback
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -69,6 +69,7 @@ class HandlerSpec:
     max_deliveries: int | None = None
     labels: tuple[str, ...] = ()
     task: Callable[[Delivery], str] | str | None = None
+    driver: str = "sqlalchemy"  # or "asyncpg": ctx.connection instead of ctx.db (PostgreSQL only)
 
 
 class Pipeline:
@@ -91,15 +92,19 @@ class Pipeline:
         self.http = http
         self._sqlite = inbox.engine.dialect.name == "sqlite"
         self.coordinator = coordinator
+        self._metrics: dict[str, metrics.SourceMetrics] = {}
 
     async def process(self, spec: HandlerSpec, delivery: Delivery) -> Result:
         """Decide one delivery's fate; never raises except on cancellation."""
         source = spec.source.name
-        metrics.IN_FLIGHT.labels(source).inc()
+        counters = self._metrics.get(source)
+        if counters is None:
+            counters = self._metrics[source] = metrics.SourceMetrics(source)
+        counters.in_flight.inc()
         try:
             result = await self._process(spec, delivery)
         except asyncio.CancelledError:
-            metrics.DELIVERIES.labels(source, "cancelled").inc()
+            counters.delivered("cancelled")
             raise
         except Exception as exc:  # the store failed: nothing was decided, so try the delivery again
             log.error("delivery failed before settlement (%s); retrying later", _describe(exc, None),
@@ -107,8 +112,8 @@ class Pipeline:
             result = Result(Outcome.RETRY, Settlement.RETRY_LATER, "store_error",
                             delay=self.settings.retry_later_seconds)
         finally:
-            metrics.IN_FLIGHT.labels(source).dec()
-        metrics.DELIVERIES.labels(source, result.outcome.value).inc()
+            counters.in_flight.dec()
+        counters.delivered(result.outcome.value)
         return result
 
     async def _process(self, spec: HandlerSpec, delivery: Delivery) -> Result:
@@ -164,16 +169,7 @@ class Pipeline:
                 return receipt
             for attempt in range(1, self.settings.retry_attempts + 1):
                 try:
-                    async with self._transaction() as (conn, session):
-                        ctx = self._context(spec, key, delivery, session, claim)
-                        ctx.session = receipt
-                        await spec.func(ctx)
-                        await ctx.outbox.flush()
-                        if session.new or session.dirty or session.deleted:  # ORM objects to write
-                            await session.flush()
-                        if not await self.inbox.complete(conn, spec.consumer, claim.digest, token,
-                                                         outcome=Outcome.PROCESSED.value):
-                            raise LeaseLost()
+                    await self._run_handler(spec, key, delivery, claim, receipt=receipt)
                     await self._end_session(receipt, key, digest)
                     _log(logging.DEBUG, "delivery processed", key, digest)
                     return Result(Outcome.PROCESSED, Settlement.ACK, key_digest=digest)
@@ -243,23 +239,16 @@ class Pipeline:
         started = time.perf_counter()
         # A replay is answered by one plain read: without it, a duplicate would open a transaction,
         # lose the insert race and lock the row only to learn that it is done.
-        existing = await self.inbox.lookup(spec.consumer, digests)
-        if existing is not None and (existing["state"] != "started" or existing["fingerprint"] != fingerprint):
-            return await self._not_acquired(spec, delivery, key, verdict(existing, fingerprint))
+        # (On the asyncpg driver the in-transaction claim costs a replay no lock either, so new
+        # deliveries are spared the read.)
+        if spec.driver != "asyncpg" or len(digests) > 1:
+            existing = await self.inbox.lookup(spec.consumer, digests)
+            if existing is not None and (existing["state"] != "started" or existing["fingerprint"] != fingerprint):
+                return await self._not_acquired(spec, delivery, key, verdict(existing, fingerprint))
         error: BaseException | None = None
         for attempt in range(1, self.settings.retry_attempts + 1):
             try:
-                async with self._transaction() as (conn, session):
-                    claim = await self.inbox.claim_in(conn, spec.consumer, digests, fingerprint,
-                                                      namespace=key.namespace, version=key.version,
-                                                      outcome=Outcome.PROCESSED.value)
-                    if not claim.acquired:
-                        raise _NotAcquired(claim)
-                    ctx = self._context(spec, key, delivery, session, claim)
-                    await spec.func(ctx)
-                    await ctx.outbox.flush()
-                    if session.new or session.dirty or session.deleted:  # ORM objects to write
-                        await session.flush()
+                claim = await self._run_handler(spec, key, delivery, None, single=(digests, fingerprint))
                 metrics.HANDLER_SECONDS.labels(spec.source.name).observe(time.perf_counter() - started)
                 return Result(Outcome.PROCESSED, Settlement.ACK, key_digest=short(claim.digest))
             except _NotAcquired as not_acquired:
@@ -318,6 +307,59 @@ class Pipeline:
             log.warning("delivery parked: %s (%s)", reason, detail,
                         extra={"namespace": spec.source.namespace, "source": spec.source.name})
 
+    async def _run_handler(
+        self, spec: HandlerSpec, key: OperationKey, delivery: Delivery, claim: Claim | None, *,
+        receipt: SessionReceipt | None = None, single: tuple[Sequence[str], str] | None = None,
+    ) -> Claim:
+        """Run the handler in one transaction that also completes the inbox row, and commit it.
+
+        Two-transaction path: ``claim`` holds the lease; completion is ``WHERE lease_token = ours``
+        (LeaseLost otherwise). Single-transaction path (``single`` = digests, fingerprint): the claim is
+        made inside the same transaction (_NotAcquired when it is not ours). A handler's exception
+        rolls everything back and propagates.
+        """
+        processed = Outcome.PROCESSED.value
+        if spec.driver == "asyncpg":
+            lane = self.inbox.lane
+            assert lane is not None, "driver='asyncpg' is checked against the database at start"
+            async with lane.transaction() as raw:
+                if single is not None:
+                    claim = await self.inbox.claim_on(raw, spec.consumer, single[0][0], single[1],
+                                                      namespace=key.namespace, version=key.version,
+                                                      outcome=processed)
+                    if not claim.acquired:
+                        raise _NotAcquired(claim)
+                assert claim is not None
+                ctx = self._context(spec, key, delivery, _ASYNCPG_ONLY, claim, connection=raw)
+                ctx.session = receipt
+                await spec.func(ctx)
+                await ctx.outbox.flush(raw)
+                if single is None:
+                    assert claim.lease_token is not None
+                    if not await self.inbox.complete_on(raw, spec.consumer, claim.digest, claim.lease_token,
+                                                        outcome=processed):
+                        raise LeaseLost()
+            return claim
+        async with self._transaction() as (conn, session):
+            if single is not None:
+                claim = await self.inbox.claim_in(conn, spec.consumer, single[0], single[1],
+                                                  namespace=key.namespace, version=key.version, outcome=processed)
+                if not claim.acquired:
+                    raise _NotAcquired(claim)
+            assert claim is not None
+            ctx = self._context(spec, key, delivery, session, claim)
+            ctx.session = receipt
+            await spec.func(ctx)
+            await ctx.outbox.flush()
+            if session.new or session.dirty or session.deleted:  # ORM objects to write
+                await session.flush()
+            if single is None:
+                assert claim.lease_token is not None
+                if not await self.inbox.complete(conn, spec.consumer, claim.digest, claim.lease_token,
+                                                 outcome=processed):
+                    raise LeaseLost()
+        return claim
+
     @contextlib.asynccontextmanager
     async def _transaction(self) -> AsyncIterator[tuple[AsyncConnection, AsyncSession]]:
         async with self.inbox.engine.connect() as conn:
@@ -332,10 +374,11 @@ class Pipeline:
                     await session.close()
 
     def _context(self, spec: HandlerSpec, key: OperationKey, delivery: Delivery, session: AsyncSession,
-                 claim: Claim) -> Context:
-        outbox = OutboxWriter(session, self.digester, spec.consumer, key, clock=self.inbox.clock)
+                 claim: Claim, *, connection: Any = None) -> Context:
+        outbox = OutboxWriter(None if connection is not None else session, self.digester, spec.consumer, key,
+                              clock=self.inbox.clock)
         return Context(key=key, delivery=delivery, db=session, attempt=max(claim.attempts, delivery.attempt),
-                       key_digest=short(claim.digest), outbox=outbox, http=self.http)
+                       key_digest=short(claim.digest), outbox=outbox, http=self.http, connection=connection)
 
     async def _heartbeat(self, consumer: str, digest: str, token: str) -> None:
         interval = self.settings.heartbeat_seconds
@@ -374,6 +417,20 @@ def session_request(spec: HandlerSpec, delivery: Delivery, settings: Settings) -
     """The coordinator session a handler's delivery asks for: its labels, its task, the session TTL."""
     task = spec.task(delivery) if callable(spec.task) else spec.task
     return SessionRequest(labels=spec.labels, task=task, ttl_seconds=settings.coordinator_session_ttl_seconds)
+
+
+class _AsyncpgOnly:
+    """``ctx.db`` of a handler registered with ``driver="asyncpg"``: its transaction is on
+    ``ctx.connection``, and a session would write outside it."""
+
+    def __getattr__(self, name: str) -> Any:
+        # A programming error no retry can fix: park the delivery with the reason.
+        raise TerminalError("this handler was registered with driver='asyncpg': write through "
+                            "ctx.connection, which is inside the delivery's transaction, not ctx.db",
+                            reason="handler_misconfigured")
+
+
+_ASYNCPG_ONLY: Any = _AsyncpgOnly()
 
 
 class _NotAcquired(Exception):

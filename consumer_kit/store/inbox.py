@@ -233,6 +233,31 @@ class Inbox:
         )
         return Claim(ClaimStatus.ACQUIRED, row["key_digest"], attempts)
 
+    async def claim_on(
+        self, conn: Any, consumer: str, digest: str, fingerprint: str, *, namespace: str, version: int,
+        outcome: str,
+    ) -> Claim:
+        """:meth:`claim_in` on a lane connection (a handler registered with ``driver="asyncpg"``)."""
+        assert self.lane is not None
+        now = self.clock()
+        if await self.lane.insert_completed_on(conn, consumer, digest, namespace, version, fingerprint,
+                                               outcome=outcome, now=now, expires_at=now + self.retention):
+            return Claim(ClaimStatus.ACQUIRED, digest, 1)
+        attempts = await self.lane.finish_started_on(conn, consumer, digest, fingerprint, outcome=outcome,
+                                                     now=now, expires_at=now + self.retention)
+        if attempts is not None:
+            return Claim(ClaimStatus.ACQUIRED, digest, attempts)
+        row = await self.lane.lookup_on(conn, consumer, digest)
+        assert row is not None  # the insert conflicted on it, and nothing deletes it inside our transaction
+        return verdict(row, fingerprint)
+
+    async def complete_on(self, conn: Any, consumer: str, digest: str, token: str, *, outcome: str) -> bool:
+        """:meth:`complete` on a lane connection (a handler registered with ``driver="asyncpg"``)."""
+        assert self.lane is not None
+        now = self.clock()
+        return await self.lane.complete_on(conn, consumer, digest, token, outcome=outcome, now=now,
+                                           expires_at=now + self.retention)
+
     async def record_failure(
         self, consumer: str, digests: Sequence[str], fingerprint: str, *, namespace: str, version: int,
         error: str,

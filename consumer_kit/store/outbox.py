@@ -21,14 +21,19 @@ import secrets
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Row, delete, func, select, text, update
+from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
 
 from consumer_kit.keys import KeyDigester, OperationKey
 from consumer_kit.store.inbox import Clock, utcnow
+from consumer_kit.store.pglane import PgLane
 from consumer_kit.store.tables import UTCDateTime, outbox
+
+if TYPE_CHECKING:
+    import asyncpg
 
 NOTIFY_CHANNEL = "consumer_kit_outbox"
 """PostgreSQL channel notified when outbox rows are written; relays LISTEN on it."""
@@ -64,8 +69,11 @@ def _row(message_id: str, destination: str, body: bytes | str, headers: Mapping[
 
 
 async def _insert(target: AsyncConnection | AsyncSession, rows: list[dict[str, Any]]) -> None:
-    await target.execute(outbox.insert(), rows)
     bind = target.bind if isinstance(target, AsyncSession) else target
+    # Ids derive from the key: a row that exists already came from an attempt of the same work (one
+    # that completed, or one whose lease we hold now). Skip it; the inbox completion decides who wins.
+    insert = postgresql.insert if bind.dialect.name == "postgresql" else sqlite.insert
+    await target.execute(insert(outbox).on_conflict_do_nothing(index_elements=[outbox.c.id]), rows)
     if bind.dialect.name == "postgresql":
         # Delivered at commit, and only if the transaction commits.
         await target.execute(text("SELECT pg_notify(:channel, '')"), {"channel": NOTIFY_CHANNEL})
@@ -75,7 +83,7 @@ async def _insert(target: AsyncConnection | AsyncSession, rows: list[dict[str, A
 class OutboxWriter:
     """``ctx.outbox``: stages messages during a handler; the pipeline writes them in its transaction."""
 
-    session: AsyncSession
+    session: AsyncSession | None
     digester: KeyDigester
     consumer: str
     key: OperationKey
@@ -94,11 +102,16 @@ class OutboxWriter:
         self._rows.append(_row(message_id, destination, body, headers, self.clock(), delay))
         return message_id
 
-    async def flush(self) -> None:
-        """Insert the staged rows through the handler's session (the pipeline calls this)."""
+    async def flush(self, connection: asyncpg.Connection | None = None) -> None:
+        """Insert the staged rows through the handler's session, or through ``connection`` for a
+        handler registered with ``driver="asyncpg"`` (the pipeline calls this)."""
         if self._rows:
             rows, self._rows = self._rows, []
-            await _insert(self.session, rows)
+            if connection is not None:
+                await PgLane.insert_outbox(connection, rows, NOTIFY_CHANNEL)
+            else:
+                assert self.session is not None, "an asyncpg handler's rows go through its connection"
+                await _insert(self.session, rows)
 
 
 class OutboxBatch:

@@ -10,12 +10,17 @@ Everything else in the store stays on SQLAlchemy Core.
 
 from __future__ import annotations
 
+import contextlib
+import json
+from collections.abc import AsyncIterator
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import asyncpg
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncConnection
+
+if TYPE_CHECKING:  # asyncpg is the `postgres` extra: a SQLite-only install never imports it
+    import asyncpg
 
 _COLUMNS = (
     "consumer, key_digest, namespace, version, fingerprint, state, locked_until, lease_token, attempts,"
@@ -62,6 +67,16 @@ INSERT_COMPLETED = (
     " VALUES ($1, $2, $3, $4, $5, 'completed', 1, $6, $7, $7, $8)"
     " ON CONFLICT (consumer, key_digest) DO NOTHING"
 )
+FINISH_STARTED = (
+    "UPDATE inbox SET state = 'completed', locked_until = NULL, lease_token = NULL,"
+    " attempts = attempts + 1, outcome = $3, last_error = NULL, updated_at = $4, expires_at = $5"
+    " WHERE consumer = $1 AND key_digest = $2 AND state = 'started' AND fingerprint = $6"
+    " AND (locked_until IS NULL OR locked_until <= $4) RETURNING attempts"
+)
+INSERT_OUTBOX = (
+    "INSERT INTO outbox (id, destination, headers, body, created_at, available_at, attempts)"
+    " VALUES ($1, $2, $3::json, $4, $5, $6, 0) ON CONFLICT (id) DO NOTHING"
+)
 COMPLETE = (
     "UPDATE inbox SET state = 'completed', locked_until = NULL, lease_token = NULL, outcome = $4,"
     " last_error = NULL, updated_at = $5, expires_at = $6"
@@ -82,6 +97,8 @@ class PgLane:
     @classmethod
     async def open(cls, sqlalchemy_url: str, *, size: int) -> PgLane:
         """Open a pool on the database of a ``postgresql+asyncpg://`` URL."""
+        import asyncpg
+
         dsn = make_url(sqlalchemy_url).set(drivername="postgresql").render_as_string(hide_password=False)
         # The lane runs only the fixed statements below, in autocommit, and never changes session
         # state; asyncpg's default reset on release would cost a round trip per statement for nothing.
@@ -124,6 +141,57 @@ class PgLane:
             return int(row["attempts"]), None
         return None, {"key_digest": digest, "state": row["state"], "fingerprint": row["fingerprint"],
                       "locked_until": row["locked_until"], "attempts": row["attempts"], "result": row["result"]}
+
+    @contextlib.asynccontextmanager
+    async def transaction(self) -> AsyncIterator[asyncpg.Connection]:
+        """A connection of the lane inside a transaction, for a handler registered with
+        ``driver="asyncpg"``. Its session state is reset afterwards: handler code may change it."""
+        async with self.pool.acquire() as conn:
+            try:
+                async with conn.transaction():
+                    yield conn
+            finally:
+                await conn.reset()
+
+    async def insert_completed_on(
+        self, conn: asyncpg.Connection, consumer: str, digest: str, namespace: str, version: int,
+        fingerprint: str, *, outcome: str, now: datetime, expires_at: datetime,
+    ) -> bool:
+        """:meth:`insert_completed` on a lane connection; ``False`` when the key exists."""
+        status = await conn.execute(
+            INSERT_COMPLETED, consumer, digest, namespace, version, fingerprint, outcome, now, expires_at)
+        return bool(status == "INSERT 0 1")
+
+    async def finish_started_on(
+        self, conn: asyncpg.Connection, consumer: str, digest: str, fingerprint: str, *, outcome: str,
+        now: datetime, expires_at: datetime,
+    ) -> int | None:
+        """Complete, inside ``conn``'s transaction, a row an earlier failed attempt left started and
+        unleased; the attempt count, or ``None`` when the row is not in that state."""
+        attempts = await conn.fetchval(FINISH_STARTED, consumer, digest, outcome, now, expires_at, fingerprint)
+        return None if attempts is None else int(attempts)
+
+    async def lookup_on(self, conn: asyncpg.Connection, consumer: str, digest: str) -> dict[str, Any] | None:
+        """:meth:`lookup` inside ``conn``'s transaction."""
+        row = await conn.fetchrow(LOOKUP, consumer, digest)
+        return None if row is None else dict(row)
+
+    async def complete_on(
+        self, conn: asyncpg.Connection, consumer: str, digest: str, token: str, *, outcome: str,
+        now: datetime, expires_at: datetime,
+    ) -> bool:
+        """:meth:`complete` on a lane connection; ``False`` when the lease was lost."""
+        status = await conn.execute(COMPLETE, consumer, digest, token, outcome, now, expires_at)
+        return bool(status == "UPDATE 1")
+
+    @staticmethod
+    async def insert_outbox(conn: asyncpg.Connection, rows: list[dict[str, Any]], channel: str) -> None:
+        """Write staged outbox rows on a lane connection and notify the relays at commit."""
+        await conn.executemany(INSERT_OUTBOX, [
+            (r["id"], r["destination"], json.dumps(r["headers"]), r["body"], r["created_at"], r["available_at"])
+            for r in rows
+        ])
+        await conn.execute("SELECT pg_notify($1, '')", channel)
 
     @staticmethod
     async def driver(conn: AsyncConnection) -> asyncpg.Connection:

@@ -1,0 +1,146 @@
+"""Handlers registered with driver="asyncpg": the same guarantees through ctx.connection (PostgreSQL)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+import pytest
+from sqlalchemy import func, select
+
+from consumer_kit import ConfigurationError, ConsumerApp, Context, Outcome, Settlement, TerminalError
+from consumer_kit.store import outbox
+from consumer_kit.testing import InMemorySource
+from tests.conftest import make_settings
+
+pytestmark = pytest.mark.postgres
+
+Hook = Callable[[Context], Awaitable[None]] | None
+
+
+def build(url: str, *, single: bool, before: Hook = None, after: Hook = None,
+          **overrides: object) -> tuple[ConsumerApp, InMemorySource, list[int]]:
+    app = ConsumerApp(make_settings(url, **overrides))
+    source = InMemorySource(namespace="raw", version=1)
+    runs: list[int] = []
+
+    @app.handler(source, single_transaction=single, driver="asyncpg", name="raw")
+    async def handle(ctx: Context) -> None:
+        runs.append(ctx.attempt)
+        if before is not None:
+            await before(ctx)
+        await ctx.connection.execute("INSERT INTO raw_effects (ticket) VALUES ($1)", ctx.delivery.json()["key"])
+        ctx.outbox.publish("tickets.prepared", ctx.delivery.body)
+        if after is not None:
+            await after(ctx)
+
+    return app, source, runs
+
+
+async def prepare(app: ConsumerApp) -> None:
+    async with app.engine.begin() as conn:
+        await conn.exec_driver_sql("DROP TABLE IF EXISTS raw_effects")
+        await conn.exec_driver_sql("CREATE TABLE raw_effects (id serial PRIMARY KEY, ticket text NOT NULL)")
+
+
+async def counts(app: ConsumerApp) -> tuple[int, int]:
+    async with app.engine.connect() as conn:
+        effects = (await conn.exec_driver_sql("SELECT count(*) FROM raw_effects")).scalar_one()
+        rows = (await conn.execute(select(func.count()).select_from(outbox))).scalar_one()
+    return int(effects), int(rows)
+
+
+@pytest.mark.parametrize("single", [False, True], ids=["two-txn", "one-txn"])
+async def test_duplicate_and_conflict(pg_database: str, single: bool) -> None:
+    app, source, runs = build(pg_database, single=single)
+    async with app.running():
+        await prepare(app)
+        assert (await source.deliver(id="raw-0001", body=b'{"key": "T-1"}')).outcome is Outcome.PROCESSED
+        assert (await source.deliver(id="raw-0001", body=b'{"key": "T-1"}')).outcome is Outcome.DUPLICATE
+        conflict = await source.deliver(id="raw-0001", body=b'{"key": "T-2"}')
+        assert (conflict.outcome, conflict.settlement) == (Outcome.CONFLICT, Settlement.DEAD_LETTER)
+        assert len(runs) == 1
+        assert await counts(app) == (1, 1)  # the effect and its outbox row, committed together
+
+
+@pytest.mark.parametrize("single", [False, True], ids=["two-txn", "one-txn"])
+async def test_failures_roll_back_then_succeed(pg_database: str, single: bool) -> None:
+    failures = {"left": 2}
+
+    async def flaky(ctx: Context) -> None:
+        if failures["left"]:
+            failures["left"] -= 1
+            raise ConnectionError("downstream unavailable")
+
+    app, source, runs = build(pg_database, single=single, after=flaky, retry_attempts=1)
+    async with app.running():
+        await prepare(app)
+        for attempt in (1, 2):
+            result = await source.deliver(id="raw-0002", body=b'{"key": "T-2"}', attempt=attempt)
+            assert result.outcome is Outcome.RETRY
+            assert await counts(app) == (0, 0)
+        assert (await source.deliver(id="raw-0002", body=b'{"key": "T-2"}', attempt=3)).outcome is Outcome.PROCESSED
+        assert runs == [1, 2, 3]
+        assert await counts(app) == (1, 1)
+
+
+@pytest.mark.parametrize("single", [False, True], ids=["two-txn", "one-txn"])
+async def test_terminal_failure_parks_and_writes_nothing(pg_database: str, single: bool) -> None:
+    async def reject(ctx: Context) -> None:
+        raise TerminalError("bad ticket", reason="bad_ticket")
+
+    app, source, _ = build(pg_database, single=single, after=reject)
+    async with app.running():
+        await prepare(app)
+        result = await source.deliver(id="raw-0003", body=b'{"key": "T-3"}')
+        assert (result.outcome, result.reason) == (Outcome.DEAD_LETTERED, "bad_ticket")
+        assert await counts(app) == (0, 0)
+
+
+async def test_late_completion_after_takeover_rolls_back(pg_database: str) -> None:
+    release = asyncio.Event()
+    entered = asyncio.Event()
+
+    async def freeze(ctx: Context) -> None:
+        if not entered.is_set():
+            entered.set()
+            await release.wait()
+
+    app1, source1, _ = build(pg_database, single=False, before=freeze, inbox_lease_seconds=0.3,
+                             inbox_heartbeat_seconds=3600)
+    app2, source2, _ = build(pg_database, single=False)
+    async with app1.running(), app2.running():
+        await prepare(app1)
+        late = asyncio.create_task(source1.deliver(id="raw-0004", body=b'{"key": "T-4"}'))
+        await asyncio.wait_for(entered.wait(), 10)
+        await asyncio.sleep(0.5)
+        assert (await source2.deliver(id="raw-0004", body=b'{"key": "T-4"}')).outcome is Outcome.PROCESSED
+        release.set()
+        assert (await late).outcome is Outcome.LEASE_LOST
+        assert await counts(app1) == (1, 1)
+
+
+async def test_ctx_db_says_to_use_the_connection(pg_database: str) -> None:
+    app = ConsumerApp(make_settings(pg_database))
+    source = InMemorySource(namespace="raw", version=1)
+
+    @app.handler(source, driver="asyncpg")
+    async def handle(ctx: Context) -> None:
+        await ctx.db.execute("SELECT 1")
+
+    async with app.running():
+        result = await source.deliver(id="raw-0005", body=b"{}")
+        assert (result.outcome, result.reason) == (Outcome.DEAD_LETTERED, "handler_misconfigured")
+        [parked] = await app.dead_letters.list()
+        assert "driver='asyncpg'" in (parked.detail or "")
+
+
+async def test_sqlite_refuses_asyncpg_handlers(sqlite_url: str) -> None:
+    app = ConsumerApp(make_settings(sqlite_url))
+
+    @app.handler(InMemorySource(namespace="raw", version=1), driver="asyncpg")
+    async def handle(ctx: Context) -> None:
+        pass
+
+    with pytest.raises(ConfigurationError, match="need PostgreSQL"):
+        await app.start()
