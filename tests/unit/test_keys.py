@@ -80,3 +80,14 @@ def test_digests_and_rotation() -> None:
 def test_no_payload_hash_constructor() -> None:
     forbidden = {"from_payload", "from_hash", "from_body", "from_timestamp", "from_trace", "from_title"}
     assert not forbidden & set(dir(OperationKey))
+
+
+def test_control_characters_are_exactly_unicode_cc() -> None:
+    import sys
+    import unicodedata
+
+    from consumer_kit.keys import _CONTROL
+
+    for point in range(sys.maxunicode + 1):
+        char = chr(point)
+        assert bool(_CONTROL.match(char)) == (unicodedata.category(char) == "Cc"), hex(point)
