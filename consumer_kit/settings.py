@@ -174,7 +174,7 @@ def _sqlite_key_file(database_url: str) -> bytes:
     try:
         return key_path.read_bytes().strip()
     except FileNotFoundError:
-        pass
+        pass  # first run: write one below
     key_path.parent.mkdir(parents=True, exist_ok=True)
     token = secrets.token_urlsafe(32).encode("ascii")
     try:

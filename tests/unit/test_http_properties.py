@@ -25,25 +25,13 @@ from sources.webhooks import (
     WebhookSource,
 )
 from tests.conftest import make_settings
+from tests.webhook_headers import VERIFIER_HEADERS
 
 SW_SECRET = "whsec_" + base64.b64encode(b"property-test-secret-0123456789ab").decode()
 TOKEN = "property-bearer"
 PATHS = ["/standard", "/stripe", "/github", "/hmac", "/events"]
 NAMES = [
-    "webhook-id",
-    "webhook-timestamp",
-    "webhook-signature",
-    "svix-id",
-    "svix-timestamp",
-    "svix-signature",
-    "stripe-signature",
-    "x-hub-signature-256",
-    "x-github-event",
-    "x-github-hook-id",
-    "x-github-delivery",
-    "x-sig",
-    "x-id",
-    "content-type",
+    *VERIFIER_HEADERS,
     "content-length",
     "ce-id",
     "ce-source",

@@ -18,6 +18,7 @@ from consumer_kit import ConfigurationError, MissingStableId, UnparseableDeliver
 from consumer_kit.http import MalformedRequest, RequestRejected, Unauthenticated
 from sources.webhooks import GitHubVerifier, HmacVerifier, StandardWebhooksVerifier, StripeVerifier, Verifier
 from tests.signing import github_headers, standard_headers, stripe_signature
+from tests.webhook_headers import VERIFIER_HEADERS
 
 SW_SECRET = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"  # the Standard Webhooks spec's example secret
 NOW = 1_700_000_000
@@ -127,22 +128,7 @@ def test_hmac_verifier_configuration() -> None:
 # ---------------------------------------------------------------------------------------------------
 # Property-based: arbitrary headers and bodies.
 
-HEADER_NAMES = [
-    "webhook-id",
-    "webhook-timestamp",
-    "webhook-signature",
-    "svix-id",
-    "svix-timestamp",
-    "svix-signature",
-    "stripe-signature",
-    "x-hub-signature-256",
-    "x-github-event",
-    "x-github-hook-id",
-    "x-github-delivery",
-    "x-sig",
-    "x-id",
-    "content-type",
-]
+HEADER_NAMES = VERIFIER_HEADERS
 header_values = st.one_of(
     st.text(max_size=80),
     st.from_regex(r"v1,[A-Za-z0-9+/=]{0,60}( v1,[A-Za-z0-9+/=]{0,60})?", fullmatch=True),
