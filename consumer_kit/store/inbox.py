@@ -237,18 +237,20 @@ class Inbox:
         self, conn: Any, consumer: str, digest: str, fingerprint: str, *, namespace: str, version: int,
         outcome: str,
     ) -> Claim:
-        """:meth:`claim_in` on a lane connection (a handler registered with ``driver="asyncpg"``)."""
+        """:meth:`claim_in` on a lane connection (a handler registered with ``driver="asyncpg"``), in
+        one round trip for a new key and for a repeat alike."""
         assert self.lane is not None
         now = self.clock()
-        if await self.lane.insert_completed_on(conn, consumer, digest, namespace, version, fingerprint,
-                                               outcome=outcome, now=now, expires_at=now + self.retention):
-            return Claim(ClaimStatus.ACQUIRED, digest, 1)
-        attempts = await self.lane.finish_started_on(conn, consumer, digest, fingerprint, outcome=outcome,
-                                                     now=now, expires_at=now + self.retention)
+        attempts, row = await self.lane.claim_done_or_inspect_on(
+            conn, consumer, digest, namespace, version, fingerprint, outcome=outcome, now=now,
+            expires_at=now + self.retention)
         if attempts is not None:
             return Claim(ClaimStatus.ACQUIRED, digest, attempts)
-        row = await self.lane.lookup_on(conn, consumer, digest)
-        assert row is not None  # the insert conflicted on it, and nothing deletes it inside our transaction
+        if row is None:  # committed by a concurrent claim after our statement's snapshot: look again
+            row = await self.lane.lookup_on(conn, consumer, digest)
+            if row is None:  # and swept since: a new key after all
+                return await self.claim_on(conn, consumer, digest, fingerprint, namespace=namespace,
+                                           version=version, outcome=outcome)
         return verdict(row, fingerprint)
 
     async def complete_on(self, conn: Any, consumer: str, digest: str, token: str, *, outcome: str) -> bool:

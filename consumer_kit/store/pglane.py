@@ -10,14 +10,12 @@ Everything else in the store stays on SQLAlchemy Core.
 
 from __future__ import annotations
 
-import contextlib
 import json
-from collections.abc import AsyncIterator
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy.engine import make_url
-from sqlalchemy.ext.asyncio import AsyncConnection
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 if TYPE_CHECKING:  # asyncpg is the `postgres` extra: a SQLite-only install never imports it
     import asyncpg
@@ -67,11 +65,30 @@ INSERT_COMPLETED = (
     " VALUES ($1, $2, $3, $4, $5, 'completed', 1, $6, $7, $7, $8)"
     " ON CONFLICT (consumer, key_digest) DO NOTHING"
 )
-FINISH_STARTED = (
-    "UPDATE inbox SET state = 'completed', locked_until = NULL, lease_token = NULL,"
-    " attempts = attempts + 1, outcome = $3, last_error = NULL, updated_at = $4, expires_at = $5"
-    " WHERE consumer = $1 AND key_digest = $2 AND state = 'started' AND fingerprint = $6"
-    " AND (locked_until IS NULL OR locked_until <= $4) RETURNING attempts"
+# The single-transaction claim, inside the handler's transaction, in one round trip: insert the row
+# already completed (the effect commits with it or not at all), or finish a row an earlier failed
+# attempt left started and unleased; otherwise return the row as it stood. As in CLAIM_OR_INSPECT,
+# a completed, dead, leased or different-request row is never locked, and a row that appeared after
+# this statement's snapshot makes both branches empty (the caller looks it up again).
+CLAIM_DONE_OR_INSPECT = (
+    "WITH claimed AS ("
+    " INSERT INTO inbox (consumer, key_digest, namespace, version, fingerprint, state, attempts, outcome,"
+    " created_at, updated_at, expires_at)"
+    " SELECT $1::varchar, $2::varchar, $3::varchar, $4::integer, $5::varchar, 'completed', 1, $6::varchar,"
+    " $7::timestamptz, $7::timestamptz, $8::timestamptz"
+    " WHERE NOT EXISTS (SELECT 1 FROM inbox WHERE consumer = $1 AND key_digest = $2"
+    " AND (state <> 'started' OR fingerprint <> $5 OR locked_until > $7))"
+    " ON CONFLICT (consumer, key_digest) DO UPDATE SET state = 'completed', locked_until = NULL,"
+    " lease_token = NULL, attempts = inbox.attempts + 1, outcome = $6, last_error = NULL, updated_at = $7,"
+    " expires_at = $8"
+    " WHERE inbox.state = 'started' AND inbox.fingerprint = $5"
+    " AND (inbox.locked_until IS NULL OR inbox.locked_until <= $7)"
+    " RETURNING attempts)"
+    " SELECT true AS acquired, attempts, NULL::text AS state, NULL::text AS fingerprint,"
+    " NULL::timestamptz AS locked_until, NULL::json AS result FROM claimed"
+    " UNION ALL"
+    " SELECT false, attempts, state, fingerprint, locked_until, result FROM inbox"
+    " WHERE consumer = $1 AND key_digest = $2 AND NOT EXISTS (SELECT 1 FROM claimed)"
 )
 INSERT_OUTBOX = (
     "INSERT INTO outbox (id, destination, headers, body, created_at, available_at, attempts)"
@@ -106,6 +123,13 @@ class PgLane:
         assert pool is not None
         return cls(pool)
 
+    @classmethod
+    async def for_engine(cls, engine: AsyncEngine, *, size: int) -> PgLane | None:
+        """A lane on ``engine``'s database when it is PostgreSQL, else ``None``."""
+        if engine.dialect.name != "postgresql":
+            return None
+        return await cls.open(engine.url.render_as_string(hide_password=False), size=size)
+
     async def close(self) -> None:
         """Close the pool."""
         await self.pool.close()
@@ -131,45 +155,32 @@ class PgLane:
     ) -> tuple[int, None] | tuple[None, dict[str, Any] | None]:
         """``(attempts, None)`` when we hold the lease; else ``(None, row)``, the row as it stood
         (``None`` when it appeared after this statement began: look it up again)."""
-        row = await self.pool.fetchrow(
+        return _claimed(digest, await self.pool.fetchrow(
             CLAIM_OR_INSPECT, consumer, digest, namespace, version, fingerprint, locked_until, token, now,
             expires_at,
-        )
-        if row is None:
-            return None, None
-        if row["acquired"]:
-            return int(row["attempts"]), None
-        return None, {"key_digest": digest, "state": row["state"], "fingerprint": row["fingerprint"],
-                      "locked_until": row["locked_until"], "attempts": row["attempts"], "result": row["result"]}
+        ))
 
-    @contextlib.asynccontextmanager
-    async def transaction(self) -> AsyncIterator[asyncpg.Connection]:
-        """A connection of the lane inside a transaction, for a handler registered with
-        ``driver="asyncpg"``. Its session state is reset afterwards: handler code may change it."""
-        async with self.pool.acquire() as conn:
-            try:
-                async with conn.transaction():
-                    yield conn
-            finally:
-                await conn.reset()
+    @staticmethod
+    async def claim_done_or_inspect_on(
+        conn: asyncpg.Connection, consumer: str, digest: str, namespace: str, version: int, fingerprint: str,
+        *, outcome: str, now: datetime, expires_at: datetime,
+    ) -> tuple[int, None] | tuple[None, dict[str, Any] | None]:
+        """The single-transaction claim inside ``conn``'s transaction (see ``CLAIM_DONE_OR_INSPECT``);
+        answers as :meth:`claim_or_inspect` does."""
+        return _claimed(digest, await conn.fetchrow(
+            CLAIM_DONE_OR_INSPECT, consumer, digest, namespace, version, fingerprint, outcome, now, expires_at))
 
-    async def insert_completed_on(
-        self, conn: asyncpg.Connection, consumer: str, digest: str, namespace: str, version: int,
-        fingerprint: str, *, outcome: str, now: datetime, expires_at: datetime,
-    ) -> bool:
-        """:meth:`insert_completed` on a lane connection; ``False`` when the key exists."""
-        status = await conn.execute(
-            INSERT_COMPLETED, consumer, digest, namespace, version, fingerprint, outcome, now, expires_at)
-        return bool(status == "INSERT 0 1")
+    def connection(self) -> Any:
+        """``async with lane.connection() as conn, conn.transaction():`` for a handler registered with
+        ``driver="asyncpg"``.
 
-    async def finish_started_on(
-        self, conn: asyncpg.Connection, consumer: str, digest: str, fingerprint: str, *, outcome: str,
-        now: datetime, expires_at: datetime,
-    ) -> int | None:
-        """Complete, inside ``conn``'s transaction, a row an earlier failed attempt left started and
-        unleased; the attempt count, or ``None`` when the row is not in that state."""
-        attempts = await conn.fetchval(FINISH_STARTED, consumer, digest, outcome, now, expires_at, fingerprint)
-        return None if attempts is None else int(attempts)
+        Like SQLAlchemy's pool (and psycopg's, and PgBouncer in transaction mode), the lane resets only
+        what a transaction scopes: a handler's writes commit or roll back with the delivery. Session
+        state a handler sets outside the transaction's scope (``SET`` without ``LOCAL``, session
+        advisory locks, ``LISTEN``, cursors ``WITH HOLD``) stays with the pooled connection; asyncpg's
+        full reset on every release would cost each delivery another round trip.
+        """
+        return self.pool.acquire()
 
     async def lookup_on(self, conn: asyncpg.Connection, consumer: str, digest: str) -> dict[str, Any] | None:
         """:meth:`lookup` inside ``conn``'s transaction."""
@@ -232,3 +243,12 @@ class PgLane:
             COMPLETE, consumer, digest, token, outcome, now, expires_at
         )
         return bool(status == "UPDATE 1")
+
+
+def _claimed(digest: str, row: Any) -> tuple[int, None] | tuple[None, dict[str, Any] | None]:
+    if row is None:
+        return None, None
+    if row["acquired"]:
+        return int(row["attempts"]), None
+    return None, {"key_digest": digest, "state": row["state"], "fingerprint": row["fingerprint"],
+                  "locked_until": row["locked_until"], "attempts": row["attempts"], "result": row["result"]}
