@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import importlib
 import json
 import logging
@@ -142,6 +143,10 @@ async def _relay(app_target: str | None) -> int:
 def run_async(main: Coroutine[Any, Any, T]) -> T:
     """Run a long-lived service coroutine (a worker, the relay, the coordinator) on the fastest event
     loop installed: the worker's own CPU is mostly spent in the loop and the drivers under it."""
+    # What is alive now (modules, the app and its settings) lives as long as the process: move it out
+    # of the collector's generations, so that the full collections a busy worker triggers scan only
+    # what was made since (measured: a full pass over the startup heap took ~0.1 s on a 2-core host).
+    gc.freeze()
     with asyncio.Runner(loop_factory=_fast_loop_factory()) as runner:
         return runner.run(main)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import functools
 import hashlib
 import json
 from collections.abc import Awaitable, Callable, Mapping
@@ -51,7 +52,7 @@ class Delivery:
     headers: Mapping[str, str] = field(default_factory=dict)
     attributes: Mapping[str, str] = field(default_factory=dict)
     attempt: int = 1
-    received_at: datetime = field(default_factory=lambda: datetime.now(UTC))
+    received_at: datetime = field(default_factory=functools.partial(datetime.now, UTC))
 
     def json(self) -> Any:
         """The body parsed as JSON."""
@@ -63,10 +64,9 @@ class Delivery:
 
     def fingerprint(self) -> str:
         """SHA-256 over the body and the security-relevant attributes: what "the same request" means."""
-        digest = hashlib.sha256()
-        digest.update(len(self.body).to_bytes(8, "big"))
+        digest = hashlib.sha256(len(self.body).to_bytes(8, "big"))
         digest.update(self.body)
-        for name in sorted(self.attributes):
+        for name in sorted(self.attributes) if self.attributes else ():
             for part in (name, self.attributes[name]):
                 raw = part.encode("utf-8")
                 digest.update(len(raw).to_bytes(4, "big"))

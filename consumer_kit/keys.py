@@ -10,11 +10,12 @@ into diagnostics; they are stored and logged only as HMAC-SHA-256 digests (:clas
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from consumer_kit.errors import InvalidKey
 
@@ -34,17 +35,30 @@ def validate_key(value: object, *, part: str = "key") -> str:
         raise InvalidKey("not_a_string", part)
     if not value:
         raise InvalidKey("empty", part)
-    if len(value.encode("utf-8", "surrogatepass")) > MAX_KEY_BYTES:
+    ascii_ = value.isascii()  # the common case: one byte per character, nothing to encode
+    if (len(value) if ascii_ else len(value.encode("utf-8", "surrogatepass"))) > MAX_KEY_BYTES:
         raise InvalidKey("too_long", part)
     if _CONTROL.search(value):
         raise InvalidKey("control_character", part)
-    if value != value.strip():
+    if value[0].isspace() or value[-1].isspace():
         raise InvalidKey("surrounding_whitespace", part)
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        raise InvalidKey("not_utf8", part) from None
+    if not ascii_:
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise InvalidKey("not_utf8", part) from None
     return value
+
+
+@functools.lru_cache(maxsize=256, typed=True)  # typed: True is not 1 here
+def _check_namespace(namespace: object, version: object) -> None:
+    """The namespace and version rules; cached, since a source keys every delivery with the same pair
+    (only a pair that passed is cached: a failure raises)."""
+    validate_key(namespace, part="namespace")
+    if ":" in namespace:  # type: ignore[operator]  # validate_key proved it a str
+        raise InvalidKey("contains_colon", "namespace")
+    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+        raise InvalidKey("not_a_positive_integer", "version")
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,18 +73,20 @@ class OperationKey:
     namespace: str
     version: int
     id: str
+    _text: str = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        validate_key(self.namespace, part="namespace")
-        if ":" in self.namespace:
-            raise InvalidKey("contains_colon", "namespace")
-        if isinstance(self.version, bool) or not isinstance(self.version, int) or self.version < 1:
-            raise InvalidKey("not_a_positive_integer", "version")
+        try:
+            _check_namespace(self.namespace, self.version)
+        except TypeError:  # unhashable: not a string or an integer at all
+            raise InvalidKey("not_a_string", "namespace") from None
         validate_key(self.id, part="id")
-        validate_key(str(self))
+        # With both parts valid, only the whole key's length can still fail.
+        text = f"{self.namespace}:v{self.version}:{self.id}"
+        object.__setattr__(self, "_text", validate_key(text))
 
     def __str__(self) -> str:
-        return f"{self.namespace}:v{self.version}:{self.id}"
+        return self._text
 
     def __repr__(self) -> str:
         return f"OperationKey(namespace={self.namespace!r}, version={self.version}, id=<redacted>)"
@@ -100,7 +116,10 @@ class KeyDigester:
     def __init__(self, current: bytes, previous: bytes | None = None) -> None:
         if len(current) < 16:
             raise ValueError("the HMAC key must be at least 16 bytes")
-        self._keys: tuple[bytes, ...] = (current,) if not previous else (current, previous)
+        # One keyed HMAC state per secret, copied per digest: copying skips the key schedule and
+        # OpenSSL's digest lookup, which a one-shot ``hmac.digest`` pays on every call.
+        self._keys = tuple(hmac.new(k, digestmod=hashlib.sha256) for k in ((current, previous) if previous
+                                                                             else (current,)))
 
     def digest(self, key: OperationKey | str) -> str:
         """Hex HMAC-SHA-256 of the key under the current HMAC key."""
@@ -112,8 +131,10 @@ class KeyDigester:
         return [_hmac_hex(k, raw) for k in self._keys]
 
 
-def _hmac_hex(secret: bytes, value: str) -> str:
-    return hmac.new(secret, value.encode("utf-8"), hashlib.sha256).hexdigest()
+def _hmac_hex(keyed: hmac.HMAC, value: str) -> str:
+    state = keyed.copy()
+    state.update(value.encode("utf-8"))
+    return state.hexdigest()
 
 
 def short(digest: str) -> str:

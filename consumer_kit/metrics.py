@@ -38,10 +38,12 @@ OUTBOX_FAILURES = Counter("consumer_kit_outbox_publish_failures_total", "Outbox 
 
 class SourceMetrics:
     """The labelled children of one source, looked up once: ``labels()`` takes a lock and a dict
-    lookup per call, several times per delivery otherwise."""
+    lookup per call, several times per delivery otherwise. ``in_flight`` is a plain count the gauge
+    reads when scraped (the event loop's thread is the only writer, so it needs no lock)."""
 
     def __init__(self, source: str) -> None:
-        self.in_flight = IN_FLIGHT.labels(source)
+        self.in_flight = 0
+        IN_FLIGHT.labels(source).set_function(lambda: self.in_flight)
         self.handler_seconds = HANDLER_SECONDS.labels(source)
         self._source = source
         self._outcomes: dict[str, Any] = {}
