@@ -11,8 +11,9 @@
     ACK, PROCESSED
 
 Between claim and handler, handlers that describe a session (``labels`` or ``task``) get one from
-the coordinator under ``key.derive("session")`` (see ``_open_session``); it is ended once the
-handler's transaction has committed.
+the coordinator under ``key.derive("session")`` (see ``_open_session``). It ends with the handler's
+transaction: inside it when the coordinator is embedded on the inbox's database (so it ends if and
+only if the effect commits), after the commit otherwise.
 
 Fate is mapped to settlement in this module only: ``TerminalError`` parks at once, anything else is
 retried in process within a budget, then handed back to the source (RETRY_LATER) until
@@ -36,6 +37,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
 from consumer_kit import metrics
 from consumer_kit.context import Context
+from consumer_kit.coordinator.embedded import EmbeddedCoordinator
 from consumer_kit.coordinator.protocol import Coordinator, SessionReceipt, SessionRequest
 from consumer_kit.delivery import Delivery, Outcome, Result, Settlement, Source
 from consumer_kit.errors import (
@@ -52,6 +54,7 @@ from consumer_kit.settings import Settings
 from consumer_kit.store import Claim, ClaimStatus, DeadLetters, Inbox, OutboxWriter
 from consumer_kit.store.database import DEFERRED
 from consumer_kit.store.inbox import verdict
+from consumer_kit.store.pglane import PgLane
 
 log = logging.getLogger("consumer_kit.pipeline")
 
@@ -92,6 +95,10 @@ class Pipeline:
         self.http = http
         self._sqlite = inbox.engine.dialect.name == "sqlite"
         self.coordinator = coordinator
+        # An embedded coordinator on the inbox's database ends the session inside the handler's
+        # transaction: it ends if and only if the delivery's effect commits. Any other is told after.
+        self._ends_in_transaction = isinstance(coordinator, EmbeddedCoordinator) and \
+            coordinator.shares_database(inbox.engine)
         self._metrics: dict[str, metrics.SourceMetrics] = {}
 
     async def process(self, spec: HandlerSpec, delivery: Delivery) -> Result:
@@ -100,7 +107,7 @@ class Pipeline:
         counters = self._metrics.get(source)
         if counters is None:
             counters = self._metrics[source] = metrics.SourceMetrics(source)
-        counters.in_flight.inc()
+        counters.in_flight += 1
         try:
             result = await self._process(spec, delivery)
         except asyncio.CancelledError:
@@ -112,7 +119,7 @@ class Pipeline:
             result = Result(Outcome.RETRY, Settlement.RETRY_LATER, "store_error",
                             delay=self.settings.retry_later_seconds)
         finally:
-            counters.in_flight.dec()
+            counters.in_flight -= 1
         counters.delivered(result.outcome.value)
         return result
 
@@ -170,7 +177,8 @@ class Pipeline:
             for attempt in range(1, self.settings.retry_attempts + 1):
                 try:
                     await self._run_handler(spec, key, delivery, claim, receipt=receipt)
-                    await self._end_session(receipt, key, digest)
+                    if not self._ends_in_transaction:
+                        await self._end_session(receipt, key, digest)
                     _log(logging.DEBUG, "delivery processed", key, digest)
                     return Result(Outcome.PROCESSED, Settlement.ACK, key_digest=digest)
                 except LeaseLost:
@@ -196,7 +204,7 @@ class Pipeline:
             raise
         finally:
             heartbeat.cancel()
-            metrics.HANDLER_SECONDS.labels(spec.source.name).observe(time.perf_counter() - started)
+            self._metrics[spec.source.name].handler_seconds.observe(time.perf_counter() - started)
 
     async def _open_session(self, spec: HandlerSpec, delivery: Delivery, key: OperationKey,
                             claim: Claim) -> SessionReceipt | Result | None:
@@ -232,6 +240,15 @@ class Pipeline:
         except Exception as exc:
             _log(logging.WARNING, f"ending the coordinator session failed ({type(exc).__name__})", key, digest)
 
+    async def _end_in_transaction(self, receipt: SessionReceipt, key: OperationKey, claim: Claim, *,
+                                  conn: AsyncConnection | None = None, raw: Any = None) -> None:
+        assert isinstance(self.coordinator, EmbeddedCoordinator)
+        if raw is None and conn is not None and self.inbox.lane is not None:
+            raw = await PgLane.driver(conn)  # one asyncpg statement instead of SQLAlchemy's two
+        if not await self.coordinator.end_session_in(receipt.session_id, conn=None if raw is not None else conn,
+                                                     driver=raw):
+            _log(logging.WARNING, "the coordinator session to end was not found", key, short(claim.digest))
+
     async def _single_transaction(self, spec: HandlerSpec, delivery: Delivery, key: OperationKey,
                                   digests: list[str] | Any, fingerprint: str) -> Result:
         """Claim, effect and completion in one commit; only for handlers that touch nothing but the
@@ -249,7 +266,7 @@ class Pipeline:
         for attempt in range(1, self.settings.retry_attempts + 1):
             try:
                 claim = await self._run_handler(spec, key, delivery, None, single=(digests, fingerprint))
-                metrics.HANDLER_SECONDS.labels(spec.source.name).observe(time.perf_counter() - started)
+                self._metrics[spec.source.name].handler_seconds.observe(time.perf_counter() - started)
                 return Result(Outcome.PROCESSED, Settlement.ACK, key_digest=short(claim.digest))
             except _NotAcquired as not_acquired:
                 return await self._not_acquired(spec, delivery, key, not_acquired.claim)
@@ -322,7 +339,7 @@ class Pipeline:
         if spec.driver == "asyncpg":
             lane = self.inbox.lane
             assert lane is not None, "driver='asyncpg' is checked against the database at start"
-            async with lane.transaction() as raw:
+            async with lane.connection() as raw, raw.transaction():
                 if single is not None:
                     claim = await self.inbox.claim_on(raw, spec.consumer, single[0][0], single[1],
                                                       namespace=key.namespace, version=key.version,
@@ -334,6 +351,8 @@ class Pipeline:
                 ctx.session = receipt
                 await spec.func(ctx)
                 await ctx.outbox.flush(raw)
+                if receipt is not None and self._ends_in_transaction:
+                    await self._end_in_transaction(receipt, key, claim, raw=raw)
                 if single is None:
                     assert claim.lease_token is not None
                     if not await self.inbox.complete_on(raw, spec.consumer, claim.digest, claim.lease_token,
@@ -353,6 +372,8 @@ class Pipeline:
             await ctx.outbox.flush()
             if session.new or session.dirty or session.deleted:  # ORM objects to write
                 await session.flush()
+            if receipt is not None and self._ends_in_transaction:
+                await self._end_in_transaction(receipt, key, claim, conn=conn)
             if single is None:
                 assert claim.lease_token is not None
                 if not await self.inbox.complete(conn, spec.consumer, claim.digest, claim.lease_token,

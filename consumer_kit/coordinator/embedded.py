@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import logging
 from datetime import timedelta
+from typing import Any
 
-from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from consumer_kit.coordinator import metrics
 from consumer_kit.coordinator.protocol import (
@@ -28,6 +29,7 @@ from consumer_kit.errors import (
 from consumer_kit.keys import KeyDigester, short, validate_key
 from consumer_kit.settings import Settings
 from consumer_kit.store.inbox import Clock, utcnow
+from consumer_kit.store.pglane import PgLane
 
 log = logging.getLogger("consumer_kit.coordinator")
 
@@ -53,12 +55,13 @@ class EmbeddedCoordinator(SessionScope):
         application: str = "consumer-kit",
         digester: KeyDigester | None = None,
         clock: Clock = utcnow,
+        lane: PgLane | None = None,
     ) -> None:
         self.settings = settings
         self.tenant = tenant
         self.application = application
         self.digester = digester or settings.digester()
-        self.store = ReceiptStore(engine, clock=clock)
+        self.store = ReceiptStore(engine, clock=clock, lane=lane)
 
     def scoped(self, tenant: str, application: str) -> EmbeddedCoordinator:
         """The same coordinator acting for another tenant and application."""
@@ -88,6 +91,19 @@ class EmbeddedCoordinator(SessionScope):
     async def end_session(self, session_id: str) -> None:
         """See :meth:`Coordinator.end_session`; an unknown id is ``CoordinatorRejected(404)``."""
         await self._set_status(session_id, "ended")
+
+    def shares_database(self, engine: AsyncEngine) -> bool:
+        """Whether the receipts live on ``engine``'s database, so that a session can be ended inside a
+        transaction on it (see :meth:`end_session_in`)."""
+        return self.store.engine is engine
+
+    async def end_session_in(self, session_id: str, *, conn: AsyncConnection | None = None,
+                             driver: Any = None) -> bool:
+        """End the session inside the caller's transaction on this coordinator's database: through
+        ``conn`` (SQLAlchemy) or ``driver`` (an asyncpg connection). The session then ends if and only
+        if that transaction commits. ``False`` when no such session is in scope."""
+        return await self.store.set_status(self.tenant, self.application, session_id, "ended",
+                                           conn=conn, driver=driver)
 
     async def revoke_session(self, session_id: str) -> None:
         """See :meth:`Coordinator.revoke_session`; an unknown id is ``CoordinatorRejected(404)``."""

@@ -23,6 +23,7 @@ from consumer_kit.coordinator.tables import coordinator_resources as resources
 from consumer_kit.coordinator.tables import idempotency_receipts as receipts
 from consumer_kit.coordinator.tables import idempotency_scopes as scopes
 from consumer_kit.store.inbox import Clock, utcnow
+from consumer_kit.store.pglane import PgLane
 from consumer_kit.store.tables import UTCDateTime
 
 # The two ON CONFLICT inserts are text: SQLAlchemy recompiles its dialect-specific insert().on_conflict_*
@@ -53,6 +54,12 @@ _PG_CREATE = (
     " SELECT e.*, (SELECT count(*) FROM slot) AS slot, (SELECT count(*) FROM resource) AS created"
     " FROM (SELECT 1) AS one LEFT JOIN existing e ON true"
 )
+# Ending or revoking on the asyncpg lane: one statement for the common case (an active resource).
+_PG_SET_STATUS = (
+    "UPDATE coordinator_resources SET status = $4, ended_at = $5"
+    " WHERE id = $1 AND tenant = $2 AND application = $3 AND status = 'active' RETURNING 1"
+)
+_PG_IN_SCOPE = "SELECT 1 FROM coordinator_resources WHERE id = $1 AND tenant = $2 AND application = $3"
 _PG_GIVE_BACK = (
     "UPDATE idempotency_scopes SET live = live - 1"
     " WHERE tenant = $1 AND application = $2 AND operation = $3 AND stripe = $4 AND live > 0"
@@ -97,9 +104,10 @@ class _AtCap(Exception):
 class ReceiptStore:
     """Create, look up, end and sweep; one method per operation."""
 
-    def __init__(self, engine: AsyncEngine, *, clock: Clock = utcnow) -> None:
+    def __init__(self, engine: AsyncEngine, *, clock: Clock = utcnow, lane: PgLane | None = None) -> None:
         self.engine = engine
         self.clock = clock
+        self.lane = lane  # PostgreSQL: the hot statements go to asyncpg directly (see store.pglane)
         self._pg = engine.dialect.name == "postgresql"
 
     async def create(
@@ -108,18 +116,25 @@ class ReceiptStore:
     ) -> Found:
         """Create a resource under the key whose candidate digests are ``digests`` (current HMAC key
         first), or report the committed receipt. ``retention=None`` creates without a receipt."""
-        # One connection for the whole call: a replay costs no second pool checkout.
+        fast: Found | str | None = None
+        if self._pg and retention is not None and len(digests) == 1 and self.lane is not None:
+            fast = await self._create_pg(self.lane.pool, scope, digests[0], fingerprint, kind=kind, ttl=ttl,
+                                         retention=retention, generated=generated, cap=cap)
+            if isinstance(fast, Found):
+                return fast
+        # One connection for the rest of the call: a replay costs no second pool checkout.
         async with self.engine.connect() as conn:
-            if self._pg and retention is not None and len(digests) == 1:
-                fast = await self._create_pg(conn, scope, digests[0], fingerprint, kind=kind, ttl=ttl,
+            if fast is None and self._pg and retention is not None and len(digests) == 1:
+                driver = (await conn.get_raw_connection()).driver_connection
+                fast = await self._create_pg(driver, scope, digests[0], fingerprint, kind=kind, ttl=ttl,
                                              retention=retention, generated=generated, cap=cap)
                 if isinstance(fast, Found):
                     return fast
-                if fast == "existing":
-                    async with conn.begin():
-                        found = await self._find(conn, scope, digests)
-                        if found is not None and found["expires_at"] > self.clock():
-                            return _verdict(found, fingerprint, self.clock())
+            if fast == "existing":
+                async with conn.begin():
+                    found = await self._find(conn, scope, digests)
+                    if found is not None and found["expires_at"] > self.clock():
+                        return _verdict(found, fingerprint, self.clock())
             for _ in range(3):  # a stale expired receipt is dropped and the insert tried again
                 now = self.clock()
                 resource_id = secrets.token_hex(16)
@@ -163,15 +178,13 @@ class ReceiptStore:
         raise RuntimeError("receipt kept reappearing while expired")  # pragma: no cover
 
     async def _create_pg(
-        self, conn: AsyncConnection, scope: Scope, digest: str, fingerprint: str, *, kind: str, ttl: timedelta,
+        self, driver: Any, scope: Scope, digest: str, fingerprint: str, *, kind: str, ttl: timedelta,
         retention: timedelta, generated: bool, cap: int,
     ) -> Found | str:
-        """PostgreSQL's common case, one autocommitted statement on the asyncpg connection underneath
-        ``conn``: a new key whose stripe has room takes the slot, writes the receipt and the resource.
+        """PostgreSQL's common case, one autocommitted statement on ``driver`` (an asyncpg pool or
+        connection): a new key whose stripe has room takes the slot, writes the receipt and the resource.
         Returns "existing" when the key already had a receipt, "slow" for everything else (first
         creation of the scope, a full stripe, a closed scope): the portable path handles those."""
-        driver = (await conn.get_raw_connection()).driver_connection
-        assert driver is not None
         now = self.clock()
         resource_id = secrets.token_hex(16)
         expires_at = now + ttl
@@ -287,18 +300,35 @@ class ReceiptStore:
                 scopes.c.operation == scope.operation, scopes.c.stripe == stripe_of(digest),
                 scopes.c.live > 0).values(live=scopes.c.live - 1))
 
-    async def set_status(self, tenant: str, application: str, resource_id: str, status: str) -> bool:
+    async def set_status(self, tenant: str, application: str, resource_id: str, status: str, *,
+                         conn: AsyncConnection | None = None, driver: Any = None) -> bool:
         """Move an active resource to ``ended`` or ``revoked``; ``False`` if no such resource is in scope.
-        Ending or revoking one that is no longer active changes nothing and is not an error."""
+        Ending or revoking one that is no longer active changes nothing and is not an error.
+
+        By default in a transaction of its own; inside the caller's with ``conn`` (SQLAlchemy) or
+        ``driver`` (an asyncpg connection of the lane)."""
         now = self.clock()
+        if driver is None and conn is None and self.lane is not None:
+            driver = self.lane.pool
+        if driver is not None:
+            if await driver.fetchval(_PG_SET_STATUS, resource_id, tenant, application, status, now):
+                return True
+            return await driver.fetchval(_PG_IN_SCOPE, resource_id, tenant, application) is not None
+        if conn is None:
+            async with self.engine.begin() as own:
+                return await self._set_status(own, tenant, application, resource_id, status, now)
+        return await self._set_status(conn, tenant, application, resource_id, status, now)
+
+    @staticmethod
+    async def _set_status(conn: AsyncConnection, tenant: str, application: str, resource_id: str, status: str,
+                          now: datetime) -> bool:
         in_scope = (resources.c.id == resource_id, resources.c.tenant == tenant,
                     resources.c.application == application)
-        async with self.engine.begin() as conn:
-            changed = await conn.execute(update(resources).where(*in_scope, resources.c.status == "active")
-                                         .values(status=status, ended_at=now))
-            if changed.rowcount == 1:
-                return True
-            return (await conn.execute(select(resources.c.id).where(*in_scope))).first() is not None
+        changed = await conn.execute(update(resources).where(*in_scope, resources.c.status == "active")
+                                     .values(status=status, ended_at=now))
+        if changed.rowcount == 1:
+            return True
+        return (await conn.execute(select(resources.c.id).where(*in_scope))).first() is not None
 
     async def sweep(self, *, batch_size: int, cap: int, max_batches: int | None = None) -> int:
         """Delete expired receipts and resources in batches, each batch its own short transaction."""
