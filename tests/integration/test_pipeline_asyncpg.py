@@ -97,6 +97,54 @@ async def test_terminal_failure_parks_and_writes_nothing(pg_database: str, singl
         assert await counts(app) == (0, 0)
 
 
+async def test_one_txn_concurrent_repeat_waits_then_is_a_duplicate(pg_database: str) -> None:
+    """Two workers claim one key on the single-transaction path at once: the second's claim waits for
+    the first's uncommitted row, finds it completed after its snapshot, looks again: a duplicate."""
+    release = asyncio.Event()
+    entered = asyncio.Event()
+
+    async def hold(ctx: Context) -> None:
+        entered.set()
+        await release.wait()
+
+    app1, source1, runs1 = build(pg_database, single=True, before=hold)
+    app2, source2, runs2 = build(pg_database, single=True)
+    async with app1.running(), app2.running():
+        await prepare(app1)
+        first = asyncio.create_task(source1.deliver(id="raw-0006", body=b'{"key": "T-6"}'))
+        await asyncio.wait_for(entered.wait(), 10)
+        second = asyncio.create_task(source2.deliver(id="raw-0006", body=b'{"key": "T-6"}'))
+        await asyncio.sleep(0.3)
+        assert not second.done()  # waiting on the first worker's row lock
+        release.set()
+        assert (await first).outcome is Outcome.PROCESSED
+        assert (await second).outcome is Outcome.DUPLICATE
+        assert (len(runs1), len(runs2)) == (1, 0)
+        assert await counts(app1) == (1, 1)
+
+
+async def test_one_txn_sees_a_live_lease_as_in_progress(pg_database: str) -> None:
+    release = asyncio.Event()
+    entered = asyncio.Event()
+
+    async def hold(ctx: Context) -> None:
+        entered.set()
+        await release.wait()
+
+    holder, source1, _ = build(pg_database, single=False, before=hold)
+    app2, source2, runs2 = build(pg_database, single=True)
+    async with holder.running(), app2.running():
+        await prepare(holder)
+        first = asyncio.create_task(source1.deliver(id="raw-0007", body=b'{"key": "T-7"}'))
+        await asyncio.wait_for(entered.wait(), 10)
+        busy = await source2.deliver(id="raw-0007", body=b'{"key": "T-7"}')
+        assert (busy.outcome, busy.settlement) == (Outcome.IN_PROGRESS, Settlement.RETRY_LATER)
+        assert busy.delay is not None and busy.delay > 0
+        release.set()
+        assert (await first).outcome is Outcome.PROCESSED
+        assert runs2 == []
+
+
 async def test_late_completion_after_takeover_rolls_back(pg_database: str) -> None:
     release = asyncio.Event()
     entered = asyncio.Event()

@@ -68,6 +68,35 @@ async def test_session_created_and_ended_after_commit(settings: Settings) -> Non
         assert (await source.deliver(id="m-1", body=b'{"key": "T-1"}')).outcome is Outcome.DUPLICATE
 
 
+async def test_session_ends_only_if_the_transaction_commits(settings: Settings) -> None:
+    """The embedded coordinator shares the inbox's database, so the session is ended inside the
+    handler's transaction: a rollback after the end statement leaves it active for the retry."""
+    app = ConsumerApp(settings)
+    source = InMemorySource(namespace="ticket-queue", version=1)
+    sessions: list[SessionReceipt | None] = []
+
+    @app.handler(source, labels=["research-agent"], task="Prepare T-9")
+    async def handle(ctx: Context) -> None:
+        sessions.append(ctx.session)
+        await ctx.db.execute(effects.insert().values(ticket="T-9"))
+        if len(sessions) == 1:
+            raise RetryableError("downstream not ready", delay=0)
+
+    async with app.running():
+        count = await prepare(app)
+        first = await source.deliver(id="m-9", body=b"{}")
+        assert first.outcome is Outcome.RETRY and await count() == 0
+        second = await source.deliver(id="m-9", body=b"{}", attempt=2)
+        assert second.outcome is Outcome.PROCESSED and await count() == 1
+        assert sessions[0] is not None and sessions[1] is not None
+        assert sessions[1].replayed and sessions[1].session_id == sessions[0].session_id
+        request = SessionRequest(labels=("research-agent",), task="Prepare T-9",
+                                 ttl_seconds=settings.coordinator_session_ttl_seconds)
+        with pytest.raises(IdempotencyResultInactive):
+            await app.coordinator.create_session(request, idempotency_key=source.key(
+                source.settled[0][0]).derive("session"))
+
+
 async def test_recipe_with_the_harness(settings: Settings) -> None:
     app, source, _sessions = build(settings)
     async with app.running():
