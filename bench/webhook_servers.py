@@ -1,5 +1,5 @@
 """The two servers of the webhook benchmark, as uvicorn factories configured by the environment
-(``BENCH_DATABASE_URL``, ``BENCH_SECRET``, ``BENCH_SINGLE_TRANSACTION``).
+(``BENCH_DATABASE_URL``, ``BENCH_SECRET``, ``BENCH_SINGLE_TRANSACTION``, ``BENCH_DRIVER``).
 
 - ``receiver``: consumer-kit's ``WebhookSource`` with ``StandardWebhooksVerifier``: verify, claim the
   inbox on PostgreSQL, run a handler that inserts one row, complete.
@@ -49,9 +49,16 @@ def receiver() -> Any:
         verifier=StandardWebhooksVerifier(os.environ["BENCH_SECRET"]),
     )
 
-    @app.handler(source, single_transaction=os.environ.get("BENCH_SINGLE_TRANSACTION") == "1")
+    driver = os.environ.get("BENCH_DRIVER", "sqlalchemy")
+
+    @app.handler(source, single_transaction=os.environ.get("BENCH_SINGLE_TRANSACTION") == "1",
+                 driver="asyncpg" if driver == "asyncpg" else "sqlalchemy")
     async def on_hook(ctx: Context) -> None:
-        await ctx.db.execute(rows.insert().values(event=ctx.delivery.json()["type"]))
+        if driver == "asyncpg":
+            await ctx.connection.execute("INSERT INTO bench_hook_rows (event) VALUES ($1)",
+                                         ctx.delivery.json()["type"])
+        else:
+            await ctx.db.execute(rows.insert().values(event=ctx.delivery.json()["type"]))
 
     return app.asgi()
 
