@@ -241,6 +241,9 @@ class Inbox:
         one round trip for a new key and for a repeat alike."""
         assert self.lane is not None
         now = self.clock()
+        if await self.lane.insert_completed_on(conn, consumer, digest, namespace, version, fingerprint,
+                                               outcome=outcome, now=now, expires_at=now + self.retention):
+            return Claim(ClaimStatus.ACQUIRED, digest, 1)
         attempts, row = await self.lane.claim_done_or_inspect_on(
             conn, consumer, digest, namespace, version, fingerprint, outcome=outcome, now=now,
             expires_at=now + self.retention)

@@ -161,6 +161,17 @@ class PgLane:
         ))
 
     @staticmethod
+    async def insert_completed_on(
+        conn: asyncpg.Connection, consumer: str, digest: str, namespace: str, version: int, fingerprint: str,
+        *, outcome: str, now: datetime, expires_at: datetime,
+    ) -> bool:
+        """The common case of the single-transaction claim, a new key: insert the row already
+        completed, inside ``conn``'s transaction; ``False`` when the key exists."""
+        status = await conn.execute(
+            INSERT_COMPLETED, consumer, digest, namespace, version, fingerprint, outcome, now, expires_at)
+        return bool(status == "INSERT 0 1")
+
+    @staticmethod
     async def claim_done_or_inspect_on(
         conn: asyncpg.Connection, consumer: str, digest: str, namespace: str, version: int, fingerprint: str,
         *, outcome: str, now: datetime, expires_at: datetime,
