@@ -117,10 +117,9 @@ class Inbox:
         ``digests[0]`` is the digest under the current HMAC key; later ones are looked up so that a
         row written before a key rotation is still honoured.
         """
-        if self.lane is not None and len(digests) == 1:
-            return await self._claim_on_lane(consumer, digests, fingerprint, namespace=namespace, version=version)
         # A plain read first: a redelivery of completed work (the common repeat) then costs one
-        # indexed SELECT and no write, so no lock and no WAL flush.
+        # indexed SELECT and no write, so no lock and no WAL flush. (On PostgreSQL a single
+        # claim-or-inspect statement was measured too: new keys 4% faster, repeats 29% slower.)
         existing = await self.lookup(consumer, digests)
         if existing is not None and (existing["state"] != "started" or existing["fingerprint"] != fingerprint):
             return verdict(existing, fingerprint)
@@ -147,26 +146,6 @@ class Inbox:
         row = await self.lookup(consumer, [digest])
         if row is None:  # swept between our statements: a brand-new key after all
             return await self.claim(consumer, digests, fingerprint, namespace=namespace, version=version)
-        return verdict(row, fingerprint)
-
-    async def _claim_on_lane(
-        self, consumer: str, digests: Sequence[str], fingerprint: str, *, namespace: str, version: int
-    ) -> Claim:
-        """The claim in one PostgreSQL round trip (see ``pglane.CLAIM_OR_INSPECT``)."""
-        assert self.lane is not None
-        now = self.clock()
-        token = secrets.token_hex(16)
-        attempts, row = await self.lane.claim_or_inspect(
-            consumer, digests[0], namespace, version, fingerprint, locked_until=now + self.lease, token=token,
-            now=now, expires_at=now + self.retention,
-        )
-        if attempts is not None:
-            return Claim(ClaimStatus.ACQUIRED, digests[0], attempts, token, now + self.lease)
-        if row is None:  # inserted by a concurrent claim after our snapshot: it is theirs
-            row = await self.lookup(consumer, digests)
-            if row is None:  # and already swept again: try afresh
-                return await self._claim_on_lane(consumer, digests, fingerprint, namespace=namespace,
-                                                 version=version)
         return verdict(row, fingerprint)
 
     async def claim_in(

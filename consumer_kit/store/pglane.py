@@ -35,41 +35,17 @@ CLAIM = (
     " AND (inbox.locked_until IS NULL OR inbox.locked_until <= $8)"
     " RETURNING attempts"
 )
-# Claim or inspect in one round trip. The insert is skipped outright when the row is completed,
-# dead, for another request or leased (so a replay writes nothing: no row lock, no WAL flush); the
-# upsert takes an expired or released lease over. When nothing was claimed, the second branch returns
-# the row as it stood. In the race where another transaction inserts the key after this statement's
-# snapshot, neither branch returns a row and the caller looks the row up again.
-CLAIM_OR_INSPECT = (
-    "WITH claimed AS ("
-    " INSERT INTO inbox (consumer, key_digest, namespace, version, fingerprint, state, locked_until,"
-    " lease_token, attempts, created_at, updated_at, expires_at)"
-    " SELECT $1::varchar, $2::varchar, $3::varchar, $4::integer, $5::varchar, 'started',"
-    " $6::timestamptz, $7::varchar, 1, $8::timestamptz, $8::timestamptz, $9::timestamptz"
-    " WHERE NOT EXISTS (SELECT 1 FROM inbox WHERE consumer = $1 AND key_digest = $2"
-    " AND (state <> 'started' OR fingerprint <> $5 OR locked_until > $8))"
-    " ON CONFLICT (consumer, key_digest) DO UPDATE SET locked_until = $6, lease_token = $7,"
-    " attempts = inbox.attempts + 1, updated_at = $8"
-    " WHERE inbox.state = 'started' AND inbox.fingerprint = $5"
-    " AND (inbox.locked_until IS NULL OR inbox.locked_until <= $8)"
-    " RETURNING attempts)"
-    " SELECT true AS acquired, attempts, NULL::text AS state, NULL::text AS fingerprint,"
-    " NULL::timestamptz AS locked_until, NULL::json AS result FROM claimed"
-    " UNION ALL"
-    " SELECT false, attempts, state, fingerprint, locked_until, result FROM inbox"
-    " WHERE consumer = $1 AND key_digest = $2 AND NOT EXISTS (SELECT 1 FROM claimed)"
-)
 INSERT_COMPLETED = (
     "INSERT INTO inbox (consumer, key_digest, namespace, version, fingerprint, state, attempts, outcome,"
     " created_at, updated_at, expires_at)"
     " VALUES ($1, $2, $3, $4, $5, 'completed', 1, $6, $7, $7, $8)"
     " ON CONFLICT (consumer, key_digest) DO NOTHING"
 )
-# The single-transaction claim, inside the handler's transaction, in one round trip: insert the row
-# already completed (the effect commits with it or not at all), or finish a row an earlier failed
-# attempt left started and unleased; otherwise return the row as it stood. As in CLAIM_OR_INSPECT,
-# a completed, dead, leased or different-request row is never locked, and a row that appeared after
-# this statement's snapshot makes both branches empty (the caller looks it up again).
+# The single-transaction claim of a key that exists, inside the handler's transaction, in one round
+# trip: finish a row an earlier failed attempt left started and unleased (the effect commits with it
+# or not at all), or return the row as it stood. The insert is skipped outright when the row is
+# completed, dead, leased or for another request, so such a row is never locked. A row that
+# appeared after this statement's snapshot makes both branches empty (the caller looks it up again).
 CLAIM_DONE_OR_INSPECT = (
     "WITH claimed AS ("
     " INSERT INTO inbox (consumer, key_digest, namespace, version, fingerprint, state, attempts, outcome,"
@@ -149,17 +125,6 @@ class PgLane:
         )
         return None if attempts is None else int(attempts)
 
-    async def claim_or_inspect(
-        self, consumer: str, digest: str, namespace: str, version: int, fingerprint: str, *,
-        locked_until: datetime, token: str, now: datetime, expires_at: datetime,
-    ) -> tuple[int, None] | tuple[None, dict[str, Any] | None]:
-        """``(attempts, None)`` when we hold the lease; else ``(None, row)``, the row as it stood
-        (``None`` when it appeared after this statement began: look it up again)."""
-        return _claimed(digest, await self.pool.fetchrow(
-            CLAIM_OR_INSPECT, consumer, digest, namespace, version, fingerprint, locked_until, token, now,
-            expires_at,
-        ))
-
     @staticmethod
     async def insert_completed_on(
         conn: asyncpg.Connection, consumer: str, digest: str, namespace: str, version: int, fingerprint: str,
@@ -176,8 +141,9 @@ class PgLane:
         conn: asyncpg.Connection, consumer: str, digest: str, namespace: str, version: int, fingerprint: str,
         *, outcome: str, now: datetime, expires_at: datetime,
     ) -> tuple[int, None] | tuple[None, dict[str, Any] | None]:
-        """The single-transaction claim inside ``conn``'s transaction (see ``CLAIM_DONE_OR_INSPECT``);
-        answers as :meth:`claim_or_inspect` does."""
+        """The single-transaction claim inside ``conn``'s transaction (see ``CLAIM_DONE_OR_INSPECT``):
+        ``(attempts, None)`` when this transaction completes the row; else ``(None, row)``, the row as
+        it stood (``None`` when it appeared after this statement began: look it up again)."""
         return _claimed(digest, await conn.fetchrow(
             CLAIM_DONE_OR_INSPECT, consumer, digest, namespace, version, fingerprint, outcome, now, expires_at))
 
