@@ -61,7 +61,9 @@ async def _fill(queue: str, count: int) -> None:
                 for i in range(start, min(count, start + 1000))))
 
 
-async def _raw(queue: str, count: int, prefetch: int) -> float:
+async def _consume_all(queue: str, count: int, prefetch: int,
+                       work: Callable[[aio_pika.abc.AbstractIncomingMessage], Awaitable[None]]) -> float:
+    """Consume ``count`` messages with plain aio-pika, running ``work`` before each ack; messages/s."""
     connection = await aio_pika.connect(AMQP_URL)
     async with connection:
         channel = await connection.channel()
@@ -72,6 +74,7 @@ async def _raw(queue: str, count: int, prefetch: int) -> float:
 
         async def on_message(message: aio_pika.abc.AbstractIncomingMessage) -> None:
             nonlocal seen
+            await work(message)
             await message.ack()
             seen += 1
             if seen == count:
@@ -81,37 +84,28 @@ async def _raw(queue: str, count: int, prefetch: int) -> float:
         await declared.consume(on_message)
         await done.wait()
         return count / (time.perf_counter() - started)
+
+
+async def _raw(queue: str, count: int, prefetch: int) -> float:
+    async def nothing(_: aio_pika.abc.AbstractIncomingMessage) -> None:
+        return None
+
+    return await _consume_all(queue, count, prefetch, nothing)
 
 
 async def _hand_rolled(queue: str, count: int, prefetch: int, dsn: str) -> float:
     pool = await asyncpg.create_pool(dsn, min_size=DB_CONNECTIONS, max_size=DB_CONNECTIONS)
-    connection = await aio_pika.connect(AMQP_URL)
+
+    async def inbox(message: aio_pika.abc.AbstractIncomingMessage) -> None:
+        async with pool.acquire() as conn, conn.transaction():
+            inserted = await conn.execute(
+                "INSERT INTO bench_inbox (message_id) VALUES ($1) ON CONFLICT DO NOTHING", message.message_id)
+            if inserted == "INSERT 0 1":
+                await conn.execute("INSERT INTO bench_effects (body) VALUES ($1)", message.body.decode())
+
     try:
-        channel = await connection.channel()
-        await channel.set_qos(prefetch_count=prefetch)
-        declared = await channel.declare_queue(queue, durable=True)
-        done = asyncio.Event()
-        seen = 0
-
-        async def on_message(message: aio_pika.abc.AbstractIncomingMessage) -> None:
-            nonlocal seen
-            async with pool.acquire() as conn, conn.transaction():
-                inserted = await conn.execute(
-                    "INSERT INTO bench_inbox (message_id) VALUES ($1) ON CONFLICT DO NOTHING",
-                    message.message_id)
-                if inserted == "INSERT 0 1":
-                    await conn.execute("INSERT INTO bench_effects (body) VALUES ($1)", message.body.decode())
-            await message.ack()
-            seen += 1
-            if seen == count:
-                done.set()
-
-        started = time.perf_counter()
-        await declared.consume(on_message)
-        await done.wait()
-        return count / (time.perf_counter() - started)
+        return await _consume_all(queue, count, prefetch, inbox)
     finally:
-        await connection.close()
         await pool.close()
 
 

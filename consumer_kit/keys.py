@@ -78,8 +78,8 @@ class OperationKey:
     def __post_init__(self) -> None:
         try:
             _check_namespace(self.namespace, self.version)
-        except TypeError:  # unhashable: not a string or an integer at all
-            raise InvalidKey("not_a_string", "namespace") from None
+        except TypeError:  # an unhashable part cannot be cached: check it uncached for the right reason
+            _check_namespace.__wrapped__(self.namespace, self.version)
         validate_key(self.id, part="id")
         # With both parts valid, only the whole key's length can still fail.
         text = f"{self.namespace}:v{self.version}:{self.id}"

@@ -43,6 +43,19 @@ async def prepare(app: ConsumerApp) -> None:
         await conn.exec_driver_sql("CREATE TABLE raw_effects (id serial PRIMARY KEY, ticket text NOT NULL)")
 
 
+def gate() -> tuple[asyncio.Event, asyncio.Event, Callable[[Context], Awaitable[None]]]:
+    """A hook that holds the first handler run inside its transaction until ``release`` is set;
+    ``entered`` is set once it is held. Later runs pass straight through."""
+    entered, release = asyncio.Event(), asyncio.Event()
+
+    async def hold(ctx: Context) -> None:
+        if not entered.is_set():
+            entered.set()
+            await release.wait()
+
+    return entered, release, hold
+
+
 async def counts(app: ConsumerApp) -> tuple[int, int]:
     async with app.engine.connect() as conn:
         effects = (await conn.exec_driver_sql("SELECT count(*) FROM raw_effects")).scalar_one()
@@ -100,12 +113,7 @@ async def test_terminal_failure_parks_and_writes_nothing(pg_database: str, singl
 async def test_one_txn_concurrent_repeat_waits_then_is_a_duplicate(pg_database: str) -> None:
     """Two workers claim one key on the single-transaction path at once: the second's claim waits for
     the first's uncommitted row, finds it completed after its snapshot, looks again: a duplicate."""
-    release = asyncio.Event()
-    entered = asyncio.Event()
-
-    async def hold(ctx: Context) -> None:
-        entered.set()
-        await release.wait()
+    entered, release, hold = gate()
 
     app1, source1, runs1 = build(pg_database, single=True, before=hold)
     app2, source2, runs2 = build(pg_database, single=True)
@@ -124,12 +132,7 @@ async def test_one_txn_concurrent_repeat_waits_then_is_a_duplicate(pg_database: 
 
 
 async def test_one_txn_sees_a_live_lease_as_in_progress(pg_database: str) -> None:
-    release = asyncio.Event()
-    entered = asyncio.Event()
-
-    async def hold(ctx: Context) -> None:
-        entered.set()
-        await release.wait()
+    entered, release, hold = gate()
 
     holder, source1, _ = build(pg_database, single=False, before=hold)
     app2, source2, runs2 = build(pg_database, single=True)
@@ -146,13 +149,7 @@ async def test_one_txn_sees_a_live_lease_as_in_progress(pg_database: str) -> Non
 
 
 async def test_late_completion_after_takeover_rolls_back(pg_database: str) -> None:
-    release = asyncio.Event()
-    entered = asyncio.Event()
-
-    async def freeze(ctx: Context) -> None:
-        if not entered.is_set():
-            entered.set()
-            await release.wait()
+    entered, release, freeze = gate()
 
     app1, source1, _ = build(pg_database, single=False, before=freeze, inbox_lease_seconds=0.3,
                              inbox_heartbeat_seconds=3600)

@@ -50,7 +50,8 @@ def test_limit_is_on_the_whole_key() -> None:
 
 @pytest.mark.parametrize(
     ("namespace", "version", "id_"),
-    [("", 1, "a"), ("ns:x", 1, "a"), ("ns", 0, "a"), ("ns", True, "a"), ("ns", "1", "a"), ("ns", 1, " a")],
+    [("", 1, "a"), ("ns:x", 1, "a"), ("ns", 0, "a"), ("ns", True, "a"), ("ns", "1", "a"), ("ns", 1, " a"),
+     (["ns"], 1, "a"), ("ns", [1], "a")],  # unhashable parts get past the namespace cache with a reason
 )
 def test_parts_are_validated(namespace: str, version: int, id_: str) -> None:
     with pytest.raises(InvalidKey):
@@ -91,3 +92,12 @@ def test_control_characters_are_exactly_unicode_cc() -> None:
     for point in range(sys.maxunicode + 1):
         char = chr(point)
         assert bool(_CONTROL.match(char)) == (unicodedata.category(char) == "Cc"), hex(point)
+
+
+def test_unhashable_parts_get_their_own_reason() -> None:
+    with pytest.raises(InvalidKey) as info:
+        OperationKey("ns", [1], "a")  # type: ignore[arg-type]
+    assert info.value.code == "not_a_positive_integer"
+    with pytest.raises(InvalidKey) as info:
+        OperationKey(["ns"], 1, "a")  # type: ignore[arg-type]
+    assert info.value.code == "not_a_string"
