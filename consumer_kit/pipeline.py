@@ -37,8 +37,9 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
 from consumer_kit import metrics
 from consumer_kit.context import Context
-from consumer_kit.coordinator.embedded import EmbeddedCoordinator
+from consumer_kit.coordinator.embedded import EmbeddedCoordinator, PreparedSession
 from consumer_kit.coordinator.protocol import Coordinator, SessionReceipt, SessionRequest
+from consumer_kit.coordinator.protocol import fingerprint as request_digest
 from consumer_kit.delivery import Delivery, Outcome, Result, Settlement, Source
 from consumer_kit.errors import (
     IdempotencyKeyConflict,
@@ -54,7 +55,7 @@ from consumer_kit.settings import Settings
 from consumer_kit.store import Claim, ClaimStatus, DeadLetters, Inbox, OutboxWriter
 from consumer_kit.store.database import DEFERRED
 from consumer_kit.store.inbox import verdict
-from consumer_kit.store.pglane import PgLane
+from consumer_kit.store.pglane import PgLane, Rider
 
 log = logging.getLogger("consumer_kit.pipeline")
 
@@ -100,6 +101,7 @@ class Pipeline:
         self._ends_in_transaction = isinstance(coordinator, EmbeddedCoordinator) and \
             coordinator.shares_database(inbox.engine)
         self._metrics: dict[str, metrics.SourceMetrics] = {}
+        self._requests: dict[str, tuple[HandlerSpec, SessionRequest, str]] = {}
 
     async def process(self, spec: HandlerSpec, delivery: Delivery) -> Result:
         """Decide one delivery's fate; never raises except on cancellation."""
@@ -134,13 +136,14 @@ class Pipeline:
         if spec.single_transaction:
             return await self._single_transaction(spec, delivery, key, digests, fingerprint)
 
-        claim = await self.inbox.claim(spec.consumer, digests, fingerprint,
-                                       namespace=key.namespace, version=key.version)
+        prepared = self._prepare_session(spec, delivery, key) if self._ends_in_transaction else None
+        claim = await self.inbox.claim(spec.consumer, digests, fingerprint, namespace=key.namespace,
+                                       version=key.version, rider=None if prepared is None else prepared.rider)
         if not claim.acquired:
             return await self._not_acquired(spec, delivery, key, claim)
         if claim.attempts > 1:
             metrics.LEASE_TAKEOVERS.labels(spec.source.name).inc()
-        return await self._run_leased(spec, delivery, key, claim)
+        return await self._run_leased(spec, delivery, key, claim, prepared)
 
     async def _not_acquired(self, spec: HandlerSpec, delivery: Delivery, key: OperationKey,
                             claim: Claim) -> Result:
@@ -163,7 +166,7 @@ class Pipeline:
         return Result(Outcome.IN_PROGRESS, Settlement.RETRY_LATER, "in_progress", delay=delay, key_digest=digest)
 
     async def _run_leased(self, spec: HandlerSpec, delivery: Delivery, key: OperationKey,
-                          claim: Claim) -> Result:
+                          claim: Claim, prepared: PreparedSession | None) -> Result:
         assert claim.lease_token is not None
         token = claim.lease_token
         digest = short(claim.digest)
@@ -171,7 +174,7 @@ class Pipeline:
                                lambda: self._heartbeat(spec.consumer, claim.digest, token))
         started = time.perf_counter()
         try:
-            receipt = await self._open_session(spec, delivery, key, claim)
+            receipt = await self._open_session(spec, delivery, key, claim, prepared)
             if isinstance(receipt, Result):
                 return receipt
             for attempt in range(1, self.settings.retry_attempts + 1):
@@ -206,19 +209,55 @@ class Pipeline:
             heartbeat.cancel()
             self._metrics[spec.source.name].handler_seconds.observe(time.perf_counter() - started)
 
+    def _prepare_session(self, spec: HandlerSpec, delivery: Delivery,
+                         key: OperationKey) -> PreparedSession | None:
+        """The session creation, prepared to ride on the claim (embedded coordinator on the inbox's
+        database): it then commits with the claim, one round trip and one commit fewer. ``None`` when
+        the handler wants no session or the creation cannot ride; :meth:`_open_session` then creates
+        it on its own, and reports any error (a failing ``task`` callable, say) there."""
+        if not (spec.labels or spec.task):
+            return None
+        assert isinstance(self.coordinator, EmbeddedCoordinator)
+        try:
+            if callable(spec.task):
+                request, request_fingerprint = session_request(spec, delivery, self.settings), None
+            else:
+                request, request_fingerprint = self._static_request(spec, delivery)
+            return self.coordinator.prepare_session(request, idempotency_key=key.derive("session"),
+                                                    request_fingerprint=request_fingerprint)
+        except Exception:
+            return None
+
+    def _session_request(self, spec: HandlerSpec, delivery: Delivery) -> SessionRequest:
+        if callable(spec.task):
+            return session_request(spec, delivery, self.settings)
+        return self._static_request(spec, delivery)[0]
+
+    def _static_request(self, spec: HandlerSpec, delivery: Delivery) -> tuple[SessionRequest, str]:
+        """Labels and a fixed task: the same request (and fingerprint) for every delivery, built once."""
+        cached = self._requests.get(spec.consumer)
+        if cached is None or cached[0] is not spec:
+            request = session_request(spec, delivery, self.settings)
+            cached = self._requests[spec.consumer] = (spec, request, request_digest("session", request))
+        return cached[1], cached[2]
+
     async def _open_session(self, spec: HandlerSpec, delivery: Delivery, key: OperationKey,
-                            claim: Claim) -> SessionReceipt | Result | None:
+                            claim: Claim, prepared: PreparedSession | None) -> SessionReceipt | Result | None:
         """The coordinator step: create (or replay) the handler's session under ``key.derive("session")``.
 
         Created or replayed -> the receipt (a replay of an active session still runs the handler, seed
         000). Conflict or inactive -> parked with that reason. Unavailable past the coordinator's own
         retry budget, or at the receipt cap -> RETRY_LATER with the lease released. ``None`` when no
         coordinator is configured or the handler describes no session (no labels, no task).
+        ``prepared``: the creation rode on the claim (see :meth:`_prepare_session`).
         """
         if self.coordinator is None or not (spec.labels or spec.task):
             return None
         try:
-            request = session_request(spec, delivery, self.settings)
+            if prepared is not None:
+                assert isinstance(self.coordinator, EmbeddedCoordinator)
+                return await self.coordinator.create_prepared(prepared)
+            request = self._session_request(spec, delivery)
             return await self.coordinator.create_session(request, idempotency_key=key.derive("session"))
         except (IdempotencyKeyConflict, IdempotencyResultInactive) as exc:
             result = await self._dead(spec, delivery, key, claim, exc.reason, _describe(exc, key))
@@ -240,13 +279,22 @@ class Pipeline:
         except Exception as exc:
             _log(logging.WARNING, f"ending the coordinator session failed ({type(exc).__name__})", key, digest)
 
-    async def _end_in_transaction(self, receipt: SessionReceipt, key: OperationKey, claim: Claim, *,
-                                  conn: AsyncConnection | None = None, raw: Any = None) -> None:
+    def _ending(self, receipt: SessionReceipt | None) -> Rider | None:
+        """The session's ending, to ride on the inbox's completion when it ends in the transaction."""
+        if receipt is None or not self._ends_in_transaction:
+            return None
         assert isinstance(self.coordinator, EmbeddedCoordinator)
-        if raw is None and conn is not None and self.inbox.lane is not None:
+        return self.coordinator.ending(receipt.session_id)
+
+    async def _end_in_transaction(self, receipt: SessionReceipt, ending: Rider, key: OperationKey, claim: Claim,
+                                  *, conn: AsyncConnection | None = None, raw: Any = None) -> None:
+        """Make sure the session ended in this transaction: the completion carried ``ending``, or (no
+        lane, the single-transaction path) it is ended here."""
+        assert isinstance(self.coordinator, EmbeddedCoordinator)
+        if ending.row is None and raw is None and conn is not None and self.inbox.lane is not None:
             raw = await PgLane.driver(conn)  # one asyncpg statement instead of SQLAlchemy's two
-        if not await self.coordinator.end_session_in(receipt.session_id, conn=None if raw is not None else conn,
-                                                     driver=raw):
+        if not await self.coordinator.ended_in(ending, receipt.session_id, conn=None if raw is not None else conn,
+                                               driver=raw):
             _log(logging.WARNING, "the coordinator session to end was not found", key, short(claim.digest))
 
     async def _single_transaction(self, spec: HandlerSpec, delivery: Delivery, key: OperationKey,
@@ -351,13 +399,14 @@ class Pipeline:
                 ctx.session = receipt
                 await spec.func(ctx)
                 await ctx.outbox.flush(raw)
-                if receipt is not None and self._ends_in_transaction:
-                    await self._end_in_transaction(receipt, key, claim, raw=raw)
+                ending = self._ending(receipt)
                 if single is None:
                     assert claim.lease_token is not None
                     if not await self.inbox.complete_on(raw, spec.consumer, claim.digest, claim.lease_token,
-                                                        outcome=processed):
+                                                        outcome=processed, rider=ending):
                         raise LeaseLost()
+                if ending is not None and receipt is not None:
+                    await self._end_in_transaction(receipt, ending, key, claim, raw=raw)
             return claim
         async with self._transaction() as (conn, session):
             if single is not None:
@@ -372,13 +421,14 @@ class Pipeline:
             await ctx.outbox.flush()
             if session.new or session.dirty or session.deleted:  # ORM objects to write
                 await session.flush()
-            if receipt is not None and self._ends_in_transaction:
-                await self._end_in_transaction(receipt, key, claim, conn=conn)
+            ending = self._ending(receipt)
             if single is None:
                 assert claim.lease_token is not None
                 if not await self.inbox.complete(conn, spec.consumer, claim.digest, claim.lease_token,
-                                                 outcome=processed):
+                                                 outcome=processed, rider=ending):
                     raise LeaseLost()
+            if ending is not None and receipt is not None:
+                await self._end_in_transaction(receipt, ending, key, claim, conn=conn)
         return claim
 
     @contextlib.asynccontextmanager

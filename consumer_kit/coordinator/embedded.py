@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -18,7 +19,7 @@ from consumer_kit.coordinator.protocol import (
     SessionScope,
     fingerprint,
 )
-from consumer_kit.coordinator.store import Found, ReceiptStore, Scope
+from consumer_kit.coordinator.store import Creation, Found, ReceiptStore, Scope
 from consumer_kit.errors import (
     CoordinatorRejected,
     IdempotencyKeyConflict,
@@ -29,11 +30,25 @@ from consumer_kit.errors import (
 from consumer_kit.keys import KeyDigester, short, validate_key
 from consumer_kit.settings import Settings
 from consumer_kit.store.inbox import Clock, utcnow
-from consumer_kit.store.pglane import PgLane
+from consumer_kit.store.pglane import PgLane, Rider
 
 log = logging.getLogger("consumer_kit.coordinator")
 
 _METRIC_OUTCOME = {"created": "created", "replayed": "replayed", "conflict": "conflicts", "inactive": "expired"}
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedSession:
+    """A session creation prepared to ride on the inbox's claim (:meth:`EmbeddedCoordinator.prepare_session`)."""
+
+    request: SessionRequest
+    idempotency_key: str
+    creation: Creation
+
+    @property
+    def rider(self) -> Rider:
+        """What the inbox's claim carries."""
+        return self.creation.rider
 
 
 class EmbeddedCoordinator(SessionScope):
@@ -79,6 +94,41 @@ class EmbeddedCoordinator(SessionScope):
         return SessionReceipt(found.resource_id, found.status, found.expires_at,
                               replayed=found.verdict == "replayed")
 
+    def prepare_session(self, request: SessionRequest, *, idempotency_key: str,
+                        request_fingerprint: str | None = None) -> PreparedSession | None:
+        """A session creation to carry on the inbox's claim (``Inbox.claim(rider=...)``), so that it
+        commits in the claim's statement when, and only when, the claim takes the lease; finish it with
+        :meth:`create_prepared`. ``None`` when it cannot ride (no asyncpg lane, an HMAC key rotation in
+        progress, an invalid key): :meth:`create_session` then does all the work.
+        ``request_fingerprint``: ``fingerprint("session", request)``, when the caller reuses a request
+        for many deliveries and has it already."""
+        if self.store.lane is None:
+            return None
+        try:
+            validate_key(idempotency_key)
+        except InvalidKey:
+            return None
+        digests = self.digester.candidates(idempotency_key)
+        if len(digests) != 1:
+            return None
+        settings = self.settings
+        creation = self.store.prepare(
+            Scope(self.tenant, self.application, "session"), digests[0],
+            request_fingerprint or fingerprint("session", request),
+            kind="session", ttl=timedelta(seconds=request.ttl_seconds),
+            retention=timedelta(seconds=settings.idempotency_retention_seconds), generated=False,
+            cap=settings.idempotency_max_receipts_per_scope)
+        return PreparedSession(request, idempotency_key, creation)
+
+    async def create_prepared(self, prepared: PreparedSession) -> SessionReceipt:
+        """:meth:`create_session` for a prepared creation: what its rider did when it was carried
+        (created, replayed, a conflict, ...), else the whole creation now."""
+        found = await self._create("session", prepared.request, prepared.idempotency_key, False,
+                                   carried=prepared.creation)
+        assert found.expires_at is not None
+        return SessionReceipt(found.resource_id, found.status, found.expires_at,
+                              replayed=found.verdict == "replayed")
+
     async def create_delegation(
         self, request: DelegationRequest, *, idempotency_key: str | None = None, generated_key: bool = False
     ) -> DelegationReceipt:
@@ -96,6 +146,19 @@ class EmbeddedCoordinator(SessionScope):
         """Whether the receipts live on ``engine``'s database, so that a session can be ended inside a
         transaction on it (see :meth:`end_session_in`)."""
         return self.store.engine is engine
+
+    def ending(self, session_id: str) -> Rider:
+        """A rider that ends the session with the inbox's completion (``Inbox.complete(rider=...)``);
+        then :meth:`ended_in` tells whether it did."""
+        return self.store.ending(self.tenant, self.application, session_id, self.store.clock())
+
+    async def ended_in(self, ending: Rider, session_id: str, *, conn: AsyncConnection | None = None,
+                       driver: Any = None) -> bool:
+        """Whether ``ending`` ended the session; when it was not carried (or found the session not
+        active) :meth:`end_session_in` runs, in the same transaction."""
+        if ending.row is not None and ending.row["ended"]:
+            return True
+        return await self.end_session_in(session_id, conn=conn, driver=driver)
 
     async def end_session_in(self, session_id: str, *, conn: AsyncConnection | None = None,
                              driver: Any = None) -> bool:
@@ -131,12 +194,15 @@ class EmbeddedCoordinator(SessionScope):
 
     async def _create(
         self, operation: Operation, request: SessionRequest | DelegationRequest, key: str | None,
-        generated: bool,
+        generated: bool, *, carried: Creation | None = None,
     ) -> Found:
         settings = self.settings
         digests: list[str] = []
         retention: timedelta | None = None
-        if key is not None:
+        if carried is not None:  # validated and digested when it was prepared
+            digests = [carried.digest]
+            retention = timedelta(seconds=settings.idempotency_retention_seconds)
+        elif key is not None:
             try:
                 validate_key(key)
             except InvalidKey:
@@ -147,9 +213,10 @@ class EmbeddedCoordinator(SessionScope):
                        else settings.idempotency_retention_seconds)
             retention = timedelta(seconds=seconds)
         found = await self.store.create(
-            Scope(self.tenant, self.application, operation), digests, fingerprint(operation, request),
+            Scope(self.tenant, self.application, operation), digests,
+            carried.fingerprint if carried is not None else fingerprint(operation, request),
             kind=operation, ttl=timedelta(seconds=request.ttl_seconds), retention=retention,
-            generated=generated, cap=settings.idempotency_max_receipts_per_scope,
+            generated=generated, cap=settings.idempotency_max_receipts_per_scope, carried=carried,
         )
         digest = short(digests[0]) if digests else "-"
         if found.verdict == "limit":

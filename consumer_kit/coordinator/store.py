@@ -23,7 +23,7 @@ from consumer_kit.coordinator.tables import coordinator_resources as resources
 from consumer_kit.coordinator.tables import idempotency_receipts as receipts
 from consumer_kit.coordinator.tables import idempotency_scopes as scopes
 from consumer_kit.store.inbox import Clock, utcnow
-from consumer_kit.store.pglane import PgLane
+from consumer_kit.store.pglane import PgLane, Rider
 from consumer_kit.store.tables import UTCDateTime
 
 # The two ON CONFLICT inserts are text: SQLAlchemy recompiles its dialect-specific insert().on_conflict_*
@@ -38,21 +38,33 @@ _INSERT_RECEIPT = text(
 # PostgreSQL fast path (see ReceiptStore._create_pg), spoken to asyncpg directly: SQLAlchemy's
 # async execution costs several times asyncpg's CPU per statement, and creation is the hot path.
 # One statement in autocommit: the slot, the receipt and the resource commit together or not at all.
-_PG_CREATE = (
-    "WITH existing AS (SELECT r.fingerprint, r.resource_id, r.response::text AS response, r.expires_at,"
-    "  s.status AS resource_status, s.expires_at AS resource_expires_at"
-    "  FROM idempotency_receipts r LEFT JOIN coordinator_resources s ON s.id = r.resource_id"
-    "  WHERE r.tenant = $1 AND r.application = $2 AND r.operation = $3 AND r.key_digest = $4),"
-    " slot AS (UPDATE idempotency_scopes SET live = live + 1"
-    "  WHERE tenant = $1 AND application = $2 AND operation = $3 AND stripe = $13 AND live < $14"
-    "  AND NOT closed AND NOT EXISTS (SELECT 1 FROM existing) RETURNING 1),"
-    " receipt AS (INSERT INTO idempotency_receipts (tenant, application, operation, key_digest, fingerprint,"
-    "  resource_id, response, generated, created_at, expires_at)"
-    "  SELECT $1, $2, $3, $4, $5, $6, $7::json, $8, $9, $10 FROM slot ON CONFLICT DO NOTHING RETURNING resource_id),"
-    " resource AS (INSERT INTO coordinator_resources (id, tenant, application, kind, status, created_at, expires_at)"
-    "  SELECT resource_id, $1, $2, $11, 'active', $9, $12 FROM receipt RETURNING 1)"
-    " SELECT e.*, (SELECT count(*) FROM slot) AS slot, (SELECT count(*) FROM resource) AS created"
-    " FROM (SELECT 1) AS one LEFT JOIN existing e ON true"
+# Its parts also ride on the inbox's claim (store.pglane.Rider), gated on the claim's lease.
+def _creation_ctes(gate: str) -> str:
+    return (
+        "existing AS (SELECT r.fingerprint, r.resource_id, r.response::text AS response, r.expires_at,"
+        "  s.status AS resource_status, s.expires_at AS resource_expires_at"
+        "  FROM idempotency_receipts r LEFT JOIN coordinator_resources s ON s.id = r.resource_id"
+        "  WHERE r.tenant = $1 AND r.application = $2 AND r.operation = $3 AND r.key_digest = $4),"
+        " slot AS (UPDATE idempotency_scopes SET live = live + 1"
+        "  WHERE tenant = $1 AND application = $2 AND operation = $3 AND stripe = $13 AND live < $14"
+        f"  AND NOT closed AND NOT EXISTS (SELECT 1 FROM existing){gate} RETURNING 1),"
+        " receipt AS (INSERT INTO idempotency_receipts (tenant, application, operation, key_digest, fingerprint,"
+        "  resource_id, response, generated, created_at, expires_at)"
+        "  SELECT $1, $2, $3, $4, $5, $6, $7::json, $8, $9, $10 FROM slot ON CONFLICT DO NOTHING"
+        "  RETURNING resource_id),"
+        " resource AS (INSERT INTO coordinator_resources (id, tenant, application, kind, status, created_at,"
+        "  expires_at) SELECT resource_id, $1, $2, $11, 'active', $9, $12 FROM receipt RETURNING 1)"
+    )
+
+
+_CREATION_COLUMNS = "e.*, (SELECT count(*) FROM slot) AS slot, (SELECT count(*) FROM resource) AS created"
+_CREATION_SOURCE = "(SELECT 1) AS one LEFT JOIN existing e ON true"
+_PG_CREATE = f"WITH {_creation_ctes('')} SELECT {_CREATION_COLUMNS} FROM {_CREATION_SOURCE}"
+_CREATION_RIDING = _creation_ctes(" AND EXISTS (SELECT 1 FROM anchor)")
+# Ending a session with the inbox's completion (a rider on it); $1 = now.
+_ENDING_RIDING = (
+    "ended AS (UPDATE coordinator_resources SET status = 'ended', ended_at = $1"
+    " WHERE id = $2 AND tenant = $3 AND application = $4 AND status = 'active' RETURNING 1)"
 )
 # Ending or revoking on the asyncpg lane: one statement for the common case (an active resource).
 _PG_SET_STATUS = (
@@ -97,6 +109,21 @@ class Found:
     expires_at: datetime | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class Creation:
+    """A creation prepared for PostgreSQL's one statement: its parameters and what it would write.
+    Run on its own (:meth:`ReceiptStore.create`) or carried by the inbox's claim (:attr:`rider`)."""
+
+    digest: str
+    fingerprint: str
+    resource_id: str
+    expires_at: datetime
+    stripe: int
+    scope: Scope
+    args: tuple[Any, ...]
+    rider: Rider
+
+
 class _AtCap(Exception):
     """The scope holds its cap of live receipts: nothing may be created."""
 
@@ -112,12 +139,17 @@ class ReceiptStore:
 
     async def create(
         self, scope: Scope, digests: Sequence[str], fingerprint: str, *, kind: str, ttl: timedelta,
-        retention: timedelta | None, generated: bool, cap: int,
+        retention: timedelta | None, generated: bool, cap: int, carried: Creation | None = None,
     ) -> Found:
         """Create a resource under the key whose candidate digests are ``digests`` (current HMAC key
-        first), or report the committed receipt. ``retention=None`` creates without a receipt."""
+        first), or report the committed receipt. ``retention=None`` creates without a receipt.
+        ``carried``: this creation was prepared (:meth:`prepare`) and its rider has run."""
         fast: Found | str | None = None
-        if self._pg and retention is not None and len(digests) == 1 and self.lane is not None:
+        if carried is not None and carried.rider.row is not None and self.lane is not None:
+            fast = await self._settle(self.lane.pool, carried, carried.rider.row)
+            if isinstance(fast, Found):
+                return fast
+        elif self._pg and retention is not None and len(digests) == 1 and self.lane is not None:
             fast = await self._create_pg(self.lane.pool, scope, digests[0], fingerprint, kind=kind, ttl=ttl,
                                          retention=retention, generated=generated, cap=cap)
             if isinstance(fast, Found):
@@ -185,25 +217,47 @@ class ReceiptStore:
         connection): a new key whose stripe has room takes the slot, writes the receipt and the resource.
         Returns "existing" when the key already had a receipt, "slow" for everything else (first
         creation of the scope, a full stripe, a closed scope): the portable path handles those."""
+        creation = self.prepare(scope, digest, fingerprint, kind=kind, ttl=ttl, retention=retention,
+                                generated=generated, cap=cap)
+        return await self._settle(driver, creation, await driver.fetchrow(_PG_CREATE, *creation.args))
+
+    def prepare(
+        self, scope: Scope, digest: str, fingerprint: str, *, kind: str, ttl: timedelta, retention: timedelta,
+        generated: bool, cap: int,
+    ) -> Creation:
+        """The parameters of PostgreSQL's one-statement creation, and the rider that carries it."""
         now = self.clock()
         resource_id = secrets.token_hex(16)
         expires_at = now + ttl
         response = json.dumps({"id": resource_id, "status": "active", "expires_at": expires_at.isoformat()})
         stripe = stripe_of(digest)
-        row = await driver.fetchrow(
-            _PG_CREATE, scope.tenant, scope.application, scope.operation, digest, fingerprint, resource_id,
-            response, generated, now, now + retention, kind, expires_at, stripe, cap // STRIPES)
+        args = (scope.tenant, scope.application, scope.operation, digest, fingerprint, resource_id, response,
+                generated, now, now + retention, kind, expires_at, stripe, cap // STRIPES)
+        return Creation(digest, fingerprint, resource_id, expires_at, stripe, scope, args,
+                        Rider(_CREATION_RIDING, _CREATION_COLUMNS, _CREATION_SOURCE, args))
+
+    async def _settle(self, driver: Any, creation: Creation, row: Any) -> Found | str:
+        """What the one-statement creation did (see :meth:`_create_pg`)."""
+        scope = creation.scope
         if row["created"]:
-            return Found("created", resource_id, "active", expires_at)
+            return Found("created", creation.resource_id, "active", creation.expires_at)
         if row["slot"]:  # a concurrent creation with this key committed first: give the slot back
-            await driver.execute(_PG_GIVE_BACK, scope.tenant, scope.application, scope.operation, stripe)
+            await driver.execute(_PG_GIVE_BACK, scope.tenant, scope.application, scope.operation, creation.stripe)
             return "existing"
         if row["fingerprint"] is None:
             return "slow"
+        now = self.clock()
         if row["expires_at"] <= now:
             return "existing"  # an expired receipt not swept yet: the portable path drops it
         # A replay, answered from the same statement.
-        return _verdict({**dict(row), "response": json.loads(row["response"])}, fingerprint, now)
+        return _verdict({**dict(row), "response": json.loads(row["response"])}, creation.fingerprint, now)
+
+    @staticmethod
+    def ending(tenant: str, application: str, resource_id: str, now: datetime) -> Rider:
+        """A rider that ends an active resource with the inbox's completion (``row["ended"]``: 1 when
+        it did; 0 when the resource was not active or not in scope, see :meth:`set_status`)."""
+        return Rider(_ENDING_RIDING, "(SELECT count(*) FROM ended) AS ended", "(SELECT 1) AS one",
+                     (now, resource_id, tenant, application))
 
     async def _find(self, conn: AsyncConnection, scope: Scope, digests: Sequence[str]) -> dict[str, Any] | None:
         query = (

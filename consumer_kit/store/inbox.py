@@ -22,7 +22,7 @@ from sqlalchemy import bindparam, delete, select, text, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from consumer_kit.store.pglane import PgLane
+from consumer_kit.store.pglane import PgLane, Rider
 from consumer_kit.store.tables import UTCDateTime, inbox
 
 Clock = Callable[[], datetime]
@@ -110,12 +110,14 @@ class Inbox:
         return None
 
     async def claim(
-        self, consumer: str, digests: Sequence[str], fingerprint: str, *, namespace: str, version: int
+        self, consumer: str, digests: Sequence[str], fingerprint: str, *, namespace: str, version: int,
+        rider: Rider | None = None,
     ) -> Claim:
         """Txn 1 of seed 003: take the lease on a new or abandoned key, or report what holds it.
 
         ``digests[0]`` is the digest under the current HMAC key; later ones are looked up so that a
-        row written before a key rotation is still honoured.
+        row written before a key rotation is still honoured. ``rider`` (see :class:`Rider`) commits
+        with the claim when the lease is ours; it is carried on PostgreSQL's lane only.
         """
         # A plain read first: a redelivery of completed work (the common repeat) then costs one
         # indexed SELECT and no write, so no lock and no WAL flush. (On PostgreSQL a single
@@ -137,7 +139,7 @@ class Inbox:
         if self.lane is not None:
             attempts = await self.lane.claim(consumer, digest, namespace, version, fingerprint,
                                              locked_until=now + self.lease, token=token, now=now,
-                                             expires_at=now + self.retention)
+                                             expires_at=now + self.retention, rider=rider)
         else:
             async with self._autocommit.connect() as conn:
                 attempts = (await conn.execute(self._statements.claim, params)).scalar_one_or_none()
@@ -145,7 +147,8 @@ class Inbox:
             return Claim(ClaimStatus.ACQUIRED, digest, attempts, token, now + self.lease)
         row = await self.lookup(consumer, [digest])
         if row is None:  # swept between our statements: a brand-new key after all
-            return await self.claim(consumer, digests, fingerprint, namespace=namespace, version=version)
+            return await self.claim(consumer, digests, fingerprint, namespace=namespace, version=version,
+                                    rider=rider)
         return verdict(row, fingerprint)
 
     async def claim_in(
@@ -235,12 +238,13 @@ class Inbox:
                                            version=version, outcome=outcome)
         return verdict(row, fingerprint)
 
-    async def complete_on(self, conn: Any, consumer: str, digest: str, token: str, *, outcome: str) -> bool:
+    async def complete_on(self, conn: Any, consumer: str, digest: str, token: str, *, outcome: str,
+                          rider: Rider | None = None) -> bool:
         """:meth:`complete` on a lane connection (a handler registered with ``driver="asyncpg"``)."""
         assert self.lane is not None
         now = self.clock()
         return await self.lane.complete_on(conn, consumer, digest, token, outcome=outcome, now=now,
-                                           expires_at=now + self.retention)
+                                           expires_at=now + self.retention, rider=rider)
 
     async def record_failure(
         self, consumer: str, digests: Sequence[str], fingerprint: str, *, namespace: str, version: int,
@@ -282,14 +286,15 @@ class Inbox:
 
     async def complete(
         self, conn: AsyncConnection, consumer: str, digest: str, token: str, *, outcome: str,
-        result: Any = None,
+        result: Any = None, rider: Rider | None = None,
     ) -> bool:
         """Txn 2 of seed 003, inside the handler's transaction: mark the row completed if the lease is
-        still ours. ``False`` means another attempt took over: the caller must roll back."""
+        still ours. ``False`` means another attempt took over: the caller must roll back. ``rider``
+        (see :class:`Rider`) is carried in the same statement on PostgreSQL's lane."""
         now = self.clock()
         if self.lane is not None and result is None:
             return await self.lane.complete(conn, consumer, digest, token, outcome=outcome, now=now,
-                                            expires_at=now + self.retention)
+                                            expires_at=now + self.retention, rider=rider)
         done = await conn.execute(self._statements.complete, {
             "p_consumer": consumer, "p_key_digest": digest, "p_token": token, "p_outcome": outcome,
             "p_result": result, "p_now": now, "p_expires_at": now + self.retention,

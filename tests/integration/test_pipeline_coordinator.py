@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from sqlalchemy import Column, Integer, MetaData, String, Table, func, select
 
-from consumer_kit import ConsumerApp, Context, Outcome, RetryableError, Settings, Settlement
+from consumer_kit import ConsumerApp, Context, Delivery, Outcome, RetryableError, Settings, Settlement
 from consumer_kit.coordinator import (
     CoordinatorUnavailable,
     EmbeddedCoordinator,
@@ -95,6 +95,59 @@ async def test_session_ends_only_if_the_transaction_commits(settings: Settings) 
         with pytest.raises(IdempotencyResultInactive):
             await app.coordinator.create_session(request, idempotency_key=source.key(
                 source.settled[0][0]).derive("session"))
+
+
+@pytest.mark.postgres
+async def test_session_rides_on_the_claim_and_ends_with_the_completion(pg_database: str) -> None:
+    """On PostgreSQL the embedded coordinator's creation is carried by the claim's statement and its
+    ending by the completion's: a delivery that does not get the lease creates no session, and a
+    completion that lost its lease leaves the session active for the attempt that takes over."""
+    settings = make_settings(pg_database)
+    app = ConsumerApp(settings)
+    source = InMemorySource(namespace="ticket-queue", version=1)
+    sessions: list[SessionReceipt] = []
+
+    @app.handler(source, labels=["research-agent"], task="Prepare", driver="asyncpg", name="riding")
+    async def handle(ctx: Context) -> None:
+        assert ctx.session is not None
+        sessions.append(ctx.session)
+        if ctx.delivery.id == "m-3" and ctx.attempt == 1:  # another worker takes the row over meanwhile
+            async with app.engine.begin() as other:
+                await other.exec_driver_sql(
+                    "UPDATE inbox SET lease_token = 'stolen', locked_until = now() - interval '1 second'"
+                    " WHERE consumer = 'riding' AND state = 'started'")
+
+    async def status(session_id: str) -> str:
+        async with app.engine.connect() as conn:
+            return str((await conn.exec_driver_sql(
+                "SELECT status FROM coordinator_resources WHERE id = $1", (session_id,))).scalar_one())
+
+    async def receipts() -> int:
+        assert isinstance(app.coordinator, EmbeddedCoordinator)
+        return (await app.coordinator.store.stats())[0]
+
+    async with app.running():
+        assert (await source.deliver(id="m-0", body=b"{}")).outcome is Outcome.PROCESSED  # the scope exists
+        assert await status(sessions[0].session_id) == "ended"
+
+        held = Delivery(id="m-1", body=b"{}")
+        lease = await app.inbox.claim("riding", app.pipeline.digester.candidates(source.key(held)),
+                                      held.fingerprint(), namespace="ticket-queue", version=1)
+        assert lease.acquired
+        before = await receipts()
+        assert (await source.deliver_delivery(held)).outcome is Outcome.IN_PROGRESS
+        assert await receipts() == before  # no lease, no session
+
+        assert (await source.deliver(id="m-2", body=b"{}")).outcome is Outcome.PROCESSED
+        assert await receipts() == before + 1 and await status(sessions[-1].session_id) == "ended"
+
+        assert (await source.deliver(id="m-3", body=b"{}")).outcome is Outcome.LEASE_LOST
+        first = sessions[-1]
+        assert await status(first.session_id) == "active"  # the ending rolled back with the completion
+        retried = await source.deliver(id="m-3", body=b"{}", attempt=2)
+        assert retried.outcome is Outcome.PROCESSED
+        assert sessions[-1].replayed and sessions[-1].session_id == first.session_id
+        assert await status(first.session_id) == "ended"
 
 
 async def test_recipe_with_the_harness(settings: Settings) -> None:

@@ -13,6 +13,7 @@ from sqlalchemy import Connection, func, select, text
 from consumer_kit import ConsumerApp, Context, Outcome, SchemaOutOfDate
 from consumer_kit.store import ClaimStatus, Inbox, create_engine, ensure_schema, inbox, metadata, upgrade
 from consumer_kit.store.database import VERSION_TABLE
+from consumer_kit.store.pglane import PgLane, Rider
 from consumer_kit.testing import InMemorySource
 from tests.conftest import TEST_HMAC_KEY, make_settings, run_in_thread
 
@@ -99,6 +100,53 @@ async def test_many_concurrent_claims_one_winner(database_url: str) -> None:
         assert statuses.count(ClaimStatus.ACQUIRED) == 1
         assert statuses.count(ClaimStatus.IN_PROGRESS) == 19
     finally:
+        await engine.dispose()
+
+
+@pytest.mark.postgres
+async def test_a_rider_commits_with_the_claim_and_the_completion_only(pg_database: str) -> None:
+    """A Rider's writes share the inbox statement: made when the claim takes the lease, skipped
+    when it does not, and rolled back with a completion whose lease was lost."""
+    engine = create_engine(pg_database)
+    await ensure_schema(engine)
+    lane = await PgLane.for_engine(engine, size=2)
+    assert lane is not None
+    store = Inbox(engine, lease_seconds=30, retention_seconds=3600, lane=lane)
+
+    def marking(value: str) -> Rider:
+        return Rider("marks AS (INSERT INTO rider_marks (v) SELECT $1 WHERE EXISTS (SELECT 1 FROM anchor)"
+                     " RETURNING 1)", "(SELECT count(*) FROM marks) AS marked", "(SELECT 1) AS one", (value,))
+
+    async def marks() -> list[str]:
+        async with engine.connect() as conn:
+            return list((await conn.execute(text("SELECT v FROM rider_marks ORDER BY v"))).scalars())
+
+    try:
+        async with engine.begin() as conn:
+            await conn.execute(text("CREATE TABLE rider_marks (v text NOT NULL)"))
+        digest = "rider".ljust(64, "0")
+        first = marking("claimed")
+        claim = await store.claim("c", [digest], "fp", namespace="ns", version=1, rider=first)
+        assert claim.acquired and first.row is not None and first.row["marked"] == 1
+        second = marking("not ours")
+        busy = await store.claim("c", [digest], "fp", namespace="ns", version=1, rider=second)
+        assert busy.status is ClaimStatus.IN_PROGRESS
+        assert second.row is not None and second.row["marked"] == 0
+        assert await marks() == ["claimed"]
+
+        assert claim.lease_token is not None
+        lost = marking("lost")
+        async with engine.connect() as conn:
+            transaction = await conn.begin()
+            assert not await store.complete(conn, "c", digest, "not-the-token", outcome="processed", rider=lost)
+            assert lost.row is not None and lost.row["anchor_rows"] == 0
+            await transaction.rollback()  # what the pipeline does on LeaseLost
+        done = marking("done")
+        async with engine.begin() as conn:
+            assert await store.complete(conn, "c", digest, claim.lease_token, outcome="processed", rider=done)
+        assert await marks() == ["claimed", "done"]
+    finally:
+        await lane.close()
         await engine.dispose()
 
 
