@@ -27,16 +27,31 @@ _COLUMNS = (
     " outcome, result, last_error, created_at, updated_at, expires_at"
 )
 LOOKUP = f"SELECT {_COLUMNS} FROM inbox WHERE consumer = $1 AND key_digest = $2"
-CLAIM = (
-    "INSERT INTO inbox (consumer, key_digest, namespace, version, fingerprint, state, locked_until,"
+# The two-transaction claim in one statement, in autocommit: insert the row, or take over a started
+# row for the same request whose lease ran out (or was released), and in any case return the row as
+# it stood (``inbox_row``, this statement's snapshot) for the verdict. The insert is skipped outright
+# when the row is completed, dead, leased or for another request, so a redelivery of finished work
+# writes, locks and flushes nothing. Concurrent claimers serialise on the row; one gets it.
+_CLAIM_HEAD = (
+    "inbox_row AS (SELECT state, fingerprint, locked_until, attempts, result FROM inbox"
+    " WHERE consumer = $1 AND key_digest = $2),"
+    " anchor AS (INSERT INTO inbox (consumer, key_digest, namespace, version, fingerprint, state, locked_until,"
     " lease_token, attempts, created_at, updated_at, expires_at)"
-    " VALUES ($1, $2, $3, $4, $5, 'started', $6, $7, 1, $8, $8, $9)"
+    " SELECT $1::varchar, $2::varchar, $3::varchar, $4::integer, $5::varchar, 'started', $6::timestamptz,"
+    " $7::varchar, 1, $8::timestamptz, $8::timestamptz, $9::timestamptz"
+    " WHERE NOT EXISTS (SELECT 1 FROM inbox_row WHERE state <> 'started' OR fingerprint <> $5 OR locked_until > $8)"
     " ON CONFLICT (consumer, key_digest) DO UPDATE SET locked_until = $6, lease_token = $7,"
     " attempts = inbox.attempts + 1, updated_at = $8"
     " WHERE inbox.state = 'started' AND inbox.fingerprint = $5"
     " AND (inbox.locked_until IS NULL OR inbox.locked_until <= $8)"
-    " RETURNING attempts"
+    " RETURNING attempts)"
 )
+_CLAIM_COLUMNS = (
+    "(SELECT attempts FROM anchor) AS anchor_rows, r.state AS inbox_state, r.fingerprint AS inbox_fingerprint,"
+    " r.locked_until AS inbox_locked_until, r.attempts AS inbox_attempts, r.result AS inbox_result"
+)  # prefixed: a rider's columns share the row
+_CLAIM_SOURCE = "(SELECT 1) AS inbox_one LEFT JOIN inbox_row r ON true"
+CLAIM = f"WITH {_CLAIM_HEAD} SELECT {_CLAIM_COLUMNS} FROM {_CLAIM_SOURCE}"
 INSERT_COMPLETED = (
     "INSERT INTO inbox (consumer, key_digest, namespace, version, fingerprint, state, attempts, outcome,"
     " created_at, updated_at, expires_at)"
@@ -88,12 +103,14 @@ class Rider:
 
     The embedded coordinator's session creation rides on the claim (it commits if and only if the
     claim does, and is skipped when the lease is not ours) and its session ending on the completion:
-    one round trip and one commit fewer per delivery than separate statements. The lane makes the
-    inbox statement the first common table expression, named ``anchor`` (the claim's ``RETURNING
-    attempts``, one row when this attempt holds the lease; the completion's ``RETURNING 1``), then
-    appends ``ctes``; the statement returns ``anchor_rows`` (the claim's attempts, or how many rows
-    were completed) and ``columns`` from ``source``. The rider numbers its parameters from ``$1``;
-    the lane shifts them past the inbox statement's own.
+    one round trip and one commit fewer per delivery than separate statements. In the inbox's
+    statement the common table expression ``anchor`` is the inbox write (the claim's ``RETURNING
+    attempts``, one row when this attempt holds the lease; the completion's ``RETURNING 1``); the
+    lane appends the rider's ``ctes``, which may read ``anchor``, selects its ``columns`` as well as
+    the inbox's own (among them ``anchor_rows``: the claim's attempts, or how many rows were
+    completed) and joins its ``source`` (one row) to the inbox's. The rider numbers its parameters
+    from ``$1``; the lane shifts them past the inbox statement's own. Its names must not clash with
+    the inbox's: ``anchor``, ``inbox_row`` and ``inbox_one``, and columns ``anchor_rows`` and ``inbox_*``.
 
     ``row`` is the row the statement returned, once it ran; it stays ``None`` when the rider was not
     carried (no lane: SQLite, or a claim that took another path), and the rider's owner then does its
@@ -111,16 +128,14 @@ class Rider:
 
 
 @functools.lru_cache(maxsize=64)
-def _with_rider(anchor: str, params: int, anchor_rows: str, ctes: str, columns: str, source: str) -> str:
+def _with_rider(head: str, params: int, columns: str, source: str,
+                ctes: str, rider_columns: str, rider_source: str) -> str:
+    """An inbox statement (``WITH head SELECT columns FROM source``) carrying a rider's parts."""
     def shift(sql: str) -> str:
         return re.sub(r"\$(\d+)", lambda m: f"${int(m.group(1)) + params}", sql)
 
-    return (f"WITH anchor AS ({anchor}), {shift(ctes)} SELECT ({anchor_rows}) AS anchor_rows, {shift(columns)}"
-            f" FROM {shift(source)}")
-
-
-def _carry(anchor: str, params: int, anchor_rows: str, rider: Rider) -> str:
-    return _with_rider(anchor, params, anchor_rows, rider.ctes, rider.columns, rider.source)
+    return (f"WITH {head}, {shift(ctes)} SELECT {columns}, {shift(rider_columns)}"
+            f" FROM {source}, {shift(rider_source)}")
 
 
 async def _keep_session(connection: asyncpg.Connection) -> None:
@@ -164,17 +179,24 @@ class PgLane:
     async def claim(
         self, consumer: str, digest: str, namespace: str, version: int, fingerprint: str, *,
         locked_until: datetime, token: str, now: datetime, expires_at: datetime, rider: Rider | None = None,
-    ) -> int | None:
-        """Insert or take over the row; the attempt count when we hold the lease, else ``None``.
+    ) -> tuple[int, None] | tuple[None, dict[str, Any] | None]:
+        """Insert or take over the row (see ``CLAIM``): ``(attempts, None)`` when we hold the lease,
+        else ``(None, row)`` with the row as the statement found it (``None`` when it was not there).
         ``rider``'s writes happen in the same statement, only when we hold the lease."""
         args = (consumer, digest, namespace, version, fingerprint, locked_until, token, now, expires_at)
         if rider is None:
-            attempts = await self.pool.fetchval(CLAIM, *args)
+            row = await self.pool.fetchrow(CLAIM, *args)
         else:
-            rider.row = await self.pool.fetchrow(
-                _carry(CLAIM, _CLAIM_PARAMS, "SELECT attempts FROM anchor", rider), *args, *rider.args)
-            attempts = rider.row["anchor_rows"]
-        return None if attempts is None else int(attempts)
+            row = rider.row = await self.pool.fetchrow(_with_rider(
+                _CLAIM_HEAD, _CLAIM_PARAMS, _CLAIM_COLUMNS, _CLAIM_SOURCE, rider.ctes, rider.columns,
+                rider.source), *args, *rider.args)
+        if row["anchor_rows"] is not None:
+            return int(row["anchor_rows"]), None
+        if row["inbox_state"] is None:
+            return None, None
+        return None, {"key_digest": digest, "state": row["inbox_state"], "fingerprint": row["inbox_fingerprint"],
+                      "locked_until": row["inbox_locked_until"], "attempts": row["inbox_attempts"],
+                      "result": row["inbox_result"]}
 
     @staticmethod
     async def insert_completed_on(
@@ -225,9 +247,9 @@ class PgLane:
         args = (consumer, digest, token, outcome, now, expires_at)
         if rider is None:
             return bool(await conn.execute(COMPLETE, *args) == "UPDATE 1")
-        rider.row = await conn.fetchrow(
-            _carry(f"{COMPLETE} RETURNING 1", _COMPLETE_PARAMS, "SELECT count(*) FROM anchor", rider),
-            *args, *rider.args)
+        rider.row = await conn.fetchrow(_with_rider(
+            f"anchor AS ({COMPLETE} RETURNING 1)", _COMPLETE_PARAMS, "(SELECT count(*) FROM anchor) AS anchor_rows",
+            "(SELECT 1) AS inbox_one", rider.ctes, rider.columns, rider.source), *args, *rider.args)
         return bool(rider.row["anchor_rows"] == 1)
 
     @staticmethod
