@@ -36,6 +36,38 @@ async def scratch_database() -> AsyncIterator[str]:
             await admin.close()
 
 
+class PeakConnections:
+    """The most connections seen at once on one database while the block runs (sampled every 10 ms,
+    the sampler's own excluded): how benchmarks show that contenders used alike many."""
+
+    def __init__(self, dsn: str) -> None:
+        self.dsn = dsn
+        self.peak = 0
+
+    @contextlib.asynccontextmanager
+    async def watch(self) -> AsyncIterator[PeakConnections]:
+        self.peak = 0
+        sampler = await asyncpg.connect(self.dsn)
+        stop = asyncio.Event()
+
+        async def sample() -> None:
+            while not stop.is_set():
+                count = await sampler.fetchval(
+                    "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+                    " AND pid <> pg_backend_pid()")
+                self.peak = max(self.peak, int(count))
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), 0.01)
+
+        task = asyncio.create_task(sample())
+        try:
+            yield self
+        finally:
+            stop.set()
+            await task
+            await sampler.close()
+
+
 async def drive(items: Sequence[T], work: Callable[[T], Awaitable[object]], concurrency: int) -> float:
     """Run ``work`` over ``items`` with ``concurrency`` workers; return items per second."""
     queue: asyncio.Queue[T] = asyncio.Queue()

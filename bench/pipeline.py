@@ -17,7 +17,7 @@ import asyncpg
 from sqlalchemy import Column, Integer, MetaData, String, Table, text
 from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
 
-from bench.common import drive, scratch_database, verdict
+from bench.common import PeakConnections, drive, scratch_database, verdict
 from consumer_kit import ConsumerApp, Context, Settings
 from consumer_kit.store import create_engine, upgrade
 from consumer_kit.testing import InMemorySource
@@ -82,7 +82,8 @@ async def framework(url: str, ids: list[str], bodies: dict[str, bytes], *, singl
                     round_: int, driver: Literal["sqlalchemy", "asyncpg"] = "sqlalchemy") -> tuple[float, float]:
     settings = Settings(
         database_url=url, idempotency_hmac_key="bench-hmac-key-0123456789abcdef",  # type: ignore[arg-type]
-        db_pool_size=CONCURRENCY // 2,
+        # As many connections as the peer: the lane, and one kept by SQLAlchemy's pool (see the peaks).
+        db_pool_size=CONCURRENCY - 1,
     )
     app = ConsumerApp(settings)
     source = InMemorySource(namespace="bench", version=1 if single else 2)
@@ -121,16 +122,23 @@ async def main() -> bool:
     # keeps a slow minute from deciding a ratio either way.
     peers: list[float] = []
     rates: dict[str, list[float]] = {}
+    peaks: dict[str, int] = {}
     async with scratch_database() as url:
+        watcher = PeakConnections(url)
         async_url = url.replace("postgresql://", "postgresql+asyncpg://")
         engine = create_engine(async_url)
         await upgrade(engine)
         await engine.dispose()
         for round_ in range(ROUNDS):
-            peers.append(await hand_rolled(url, ids, bodies))
+            async with watcher.watch():
+                peers.append(await hand_rolled(url, ids, bodies))
+            peaks["peer"] = max(peaks.get("peer", 0), watcher.peak)
             for single in (False, True):
-                first, again = await framework(async_url, ids, bodies, single=single, round_=round_, driver="asyncpg")
                 path = "single" if single else "two"
+                async with watcher.watch():
+                    first, again = await framework(async_url, ids, bodies, single=single, round_=round_,
+                                                   driver="asyncpg")
+                peaks[path] = peaks[f"{path}-dup"] = max(peaks.get(path, 0), watcher.peak)
                 rates.setdefault(f"{path}", []).append(first)
                 rates.setdefault(f"{path}-dup", []).append(again)
         # SQLAlchemy's share, for the record (no target): one round of each.
@@ -150,12 +158,13 @@ async def main() -> bool:
     peer = statistics.median(peers)
     print(f"pipeline on PostgreSQL: {N} deliveries, concurrency {CONCURRENCY}, {ROUNDS} rounds; "
           "ratios are medians of per-round ratios; handlers write through driver='asyncpg' as the peer does")
-    print(f"  {'hand-rolled asyncpg inbox (peer)':<38} {peer:9.0f} msg/s  (rounds: "
-          f"{', '.join(f'{p:.0f}' for p in peers)})")
+    print(f"  {'hand-rolled asyncpg inbox (peer)':<38} {peer:9.0f} msg/s  peak connections {peaks['peer']:2d}  "
+          f"(rounds: {', '.join(f'{p:.0f}' for p in peers)})")
     for label, name, target in rows:
         value = ratio(name)
         goal = f"(target >= {target}x: {verdict(value, target)})" if target else "(no target)"
-        print(f"  {label:<38} {statistics.median(rates[name]):9.0f} msg/s  {value:5.2f}x peer  {goal}")
+        print(f"  {label:<38} {statistics.median(rates[name]):9.0f} msg/s  peak connections {peaks[name]:2d}  "
+              f"{value:5.2f}x peer  {goal}")
     print(f"  {'SQLAlchemy AsyncSession consumer':<38} {sqlalchemy_peer:9.0f} msg/s  "
           f"{sqlalchemy_peer / peer:5.2f}x peer  (one round, no target: SQLAlchemy's own cost)")
     for label, rate in (("two-transaction path, ctx.db", two_db), ("single-transaction path, ctx.db", one_db)):

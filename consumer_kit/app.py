@@ -176,6 +176,8 @@ class ConsumerApp:
             self._lane = await PgLane.open(settings.database_url, size=size)
         self._http = httpx.AsyncClient(timeout=httpx.Timeout(20.0))
         self._coordinator = self._given_coordinator or self._default_coordinator(engine)
+        if isinstance(self._coordinator, EmbeddedCoordinator) and any(s.labels or s.task for s in self.specs):
+            await self._coordinator.open()
         self._pipeline = Pipeline(
             settings=settings,
             inbox=Inbox(engine, lease_seconds=settings.inbox_lease_seconds,

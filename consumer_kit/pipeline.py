@@ -136,14 +136,27 @@ class Pipeline:
         if spec.single_transaction:
             return await self._single_transaction(spec, delivery, key, digests, fingerprint)
 
+        if spec.driver == "asyncpg":
+            # The claim and the handler's transaction on one lane connection: one pool checkout per
+            # delivery. Nothing between them takes a second lane connection (the coordinator step is
+            # handed this one; the rest of the store uses SQLAlchemy's pool), so a full lane cannot
+            # leave every holder waiting for another.
+            assert self.inbox.lane is not None, "driver='asyncpg' is checked against the database at start"
+            async with self.inbox.lane.connection() as raw:
+                return await self._two_transactions(spec, delivery, key, digests, fingerprint, raw)
+        return await self._two_transactions(spec, delivery, key, digests, fingerprint, None)
+
+    async def _two_transactions(self, spec: HandlerSpec, delivery: Delivery, key: OperationKey,
+                                digests: Sequence[str], fingerprint: str, raw: Any) -> Result:
         prepared = self._prepare_session(spec, delivery, key) if self._ends_in_transaction else None
         claim = await self.inbox.claim(spec.consumer, digests, fingerprint, namespace=key.namespace,
-                                       version=key.version, rider=None if prepared is None else prepared.rider)
+                                       version=key.version, rider=None if prepared is None else prepared.rider,
+                                       conn=raw)
         if not claim.acquired:
             return await self._not_acquired(spec, delivery, key, claim)
         if claim.attempts > 1:
             metrics.LEASE_TAKEOVERS.labels(spec.source.name).inc()
-        return await self._run_leased(spec, delivery, key, claim, prepared)
+        return await self._run_leased(spec, delivery, key, claim, prepared, raw)
 
     async def _not_acquired(self, spec: HandlerSpec, delivery: Delivery, key: OperationKey,
                             claim: Claim) -> Result:
@@ -166,7 +179,7 @@ class Pipeline:
         return Result(Outcome.IN_PROGRESS, Settlement.RETRY_LATER, "in_progress", delay=delay, key_digest=digest)
 
     async def _run_leased(self, spec: HandlerSpec, delivery: Delivery, key: OperationKey,
-                          claim: Claim, prepared: PreparedSession | None) -> Result:
+                          claim: Claim, prepared: PreparedSession | None, raw: Any) -> Result:
         assert claim.lease_token is not None
         token = claim.lease_token
         digest = short(claim.digest)
@@ -174,12 +187,12 @@ class Pipeline:
                                lambda: self._heartbeat(spec.consumer, claim.digest, token))
         started = time.perf_counter()
         try:
-            receipt = await self._open_session(spec, delivery, key, claim, prepared)
+            receipt = await self._open_session(spec, delivery, key, claim, prepared, raw)
             if isinstance(receipt, Result):
                 return receipt
             for attempt in range(1, self.settings.retry_attempts + 1):
                 try:
-                    await self._run_handler(spec, key, delivery, claim, receipt=receipt)
+                    await self._run_handler(spec, key, delivery, claim, receipt=receipt, held=raw)
                     if not self._ends_in_transaction:
                         await self._end_session(receipt, key, digest)
                     _log(logging.DEBUG, "delivery processed", key, digest)
@@ -242,21 +255,23 @@ class Pipeline:
         return cached[1], cached[2]
 
     async def _open_session(self, spec: HandlerSpec, delivery: Delivery, key: OperationKey,
-                            claim: Claim, prepared: PreparedSession | None) -> SessionReceipt | Result | None:
+                            claim: Claim, prepared: PreparedSession | None,
+                            raw: Any) -> SessionReceipt | Result | None:
         """The coordinator step: create (or replay) the handler's session under ``key.derive("session")``.
 
         Created or replayed -> the receipt (a replay of an active session still runs the handler, seed
         000). Conflict or inactive -> parked with that reason. Unavailable past the coordinator's own
         retry budget, or at the receipt cap -> RETRY_LATER with the lease released. ``None`` when no
         coordinator is configured or the handler describes no session (no labels, no task).
-        ``prepared``: the creation rode on the claim (see :meth:`_prepare_session`).
+        ``prepared``: the creation rode on the claim (see :meth:`_prepare_session`); ``raw``: the lane
+        connection the delivery holds, if any.
         """
         if self.coordinator is None or not (spec.labels or spec.task):
             return None
         try:
             if prepared is not None:
                 assert isinstance(self.coordinator, EmbeddedCoordinator)
-                return await self.coordinator.create_prepared(prepared)
+                return await self.coordinator.create_prepared(prepared, driver=raw)
             request = self._session_request(spec, delivery)
             return await self.coordinator.create_session(request, idempotency_key=key.derive("session"))
         except (IdempotencyKeyConflict, IdempotencyResultInactive) as exc:
@@ -375,19 +390,22 @@ class Pipeline:
     async def _run_handler(
         self, spec: HandlerSpec, key: OperationKey, delivery: Delivery, claim: Claim | None, *,
         receipt: SessionReceipt | None = None, single: tuple[Sequence[str], str] | None = None,
+        held: Any = None,
     ) -> Claim:
         """Run the handler in one transaction that also completes the inbox row, and commit it.
 
         Two-transaction path: ``claim`` holds the lease; completion is ``WHERE lease_token = ours``
         (LeaseLost otherwise). Single-transaction path (``single`` = digests, fingerprint): the claim is
         made inside the same transaction (_NotAcquired when it is not ours). A handler's exception
-        rolls everything back and propagates.
+        rolls everything back and propagates. ``held``: the lane connection the delivery already
+        holds (``driver="asyncpg"``); otherwise one is checked out for the transaction.
         """
         processed = Outcome.PROCESSED.value
         if spec.driver == "asyncpg":
             lane = self.inbox.lane
             assert lane is not None, "driver='asyncpg' is checked against the database at start"
-            async with lane.connection() as raw, raw.transaction():
+            async with (contextlib.nullcontext(held) if held is not None else lane.connection()) as raw, \
+                    raw.transaction():
                 if single is not None:
                     claim = await self.inbox.claim_on(raw, spec.consumer, single[0][0], single[1],
                                                       namespace=key.namespace, version=key.version,

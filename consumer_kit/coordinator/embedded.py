@@ -78,6 +78,12 @@ class EmbeddedCoordinator(SessionScope):
         self.digester = digester or settings.digester()
         self.store = ReceiptStore(engine, clock=clock, lane=lane)
 
+    async def open(self) -> None:
+        """Prepare this coordinator's scope in the store (the receipt counts of its sessions and
+        delegations), so that its first creations need no set-up of their own. Optional; idempotent."""
+        for operation in ("session", "delegation"):
+            await self.store.open_scope(Scope(self.tenant, self.application, operation))
+
     def scoped(self, tenant: str, application: str) -> EmbeddedCoordinator:
         """The same coordinator acting for another tenant and application."""
         view = object.__new__(EmbeddedCoordinator)
@@ -120,11 +126,12 @@ class EmbeddedCoordinator(SessionScope):
             cap=settings.idempotency_max_receipts_per_scope)
         return PreparedSession(request, idempotency_key, creation)
 
-    async def create_prepared(self, prepared: PreparedSession) -> SessionReceipt:
+    async def create_prepared(self, prepared: PreparedSession, *, driver: Any = None) -> SessionReceipt:
         """:meth:`create_session` for a prepared creation: what its rider did when it was carried
-        (created, replayed, a conflict, ...), else the whole creation now."""
+        (created, replayed, a conflict, ...), else the whole creation now. ``driver``: the lane
+        connection the caller holds, if any (so that the creation never waits for a second one)."""
         found = await self._create("session", prepared.request, prepared.idempotency_key, False,
-                                   carried=prepared.creation)
+                                   carried=prepared.creation, driver=driver)
         assert found.expires_at is not None
         return SessionReceipt(found.resource_id, found.status, found.expires_at,
                               replayed=found.verdict == "replayed")
@@ -194,7 +201,7 @@ class EmbeddedCoordinator(SessionScope):
 
     async def _create(
         self, operation: Operation, request: SessionRequest | DelegationRequest, key: str | None,
-        generated: bool, *, carried: Creation | None = None,
+        generated: bool, *, carried: Creation | None = None, driver: Any = None,
     ) -> Found:
         settings = self.settings
         digests: list[str] = []
@@ -216,7 +223,7 @@ class EmbeddedCoordinator(SessionScope):
             Scope(self.tenant, self.application, operation), digests,
             carried.fingerprint if carried is not None else fingerprint(operation, request),
             kind=operation, ttl=timedelta(seconds=request.ttl_seconds), retention=retention,
-            generated=generated, cap=settings.idempotency_max_receipts_per_scope, carried=carried,
+            generated=generated, cap=settings.idempotency_max_receipts_per_scope, carried=carried, driver=driver,
         )
         digest = short(digests[0]) if digests else "-"
         if found.verdict == "limit":

@@ -140,13 +140,15 @@ class ReceiptStore:
     async def create(
         self, scope: Scope, digests: Sequence[str], fingerprint: str, *, kind: str, ttl: timedelta,
         retention: timedelta | None, generated: bool, cap: int, carried: Creation | None = None,
+        driver: Any = None,
     ) -> Found:
         """Create a resource under the key whose candidate digests are ``digests`` (current HMAC key
         first), or report the committed receipt. ``retention=None`` creates without a receipt.
-        ``carried``: this creation was prepared (:meth:`prepare`) and its rider has run."""
+        ``carried``: this creation was prepared (:meth:`prepare`) and its rider has run; ``driver``, a
+        lane connection the caller holds (outside a transaction), for what is left to do on the lane."""
         fast: Found | str | None = None
         if carried is not None and carried.rider.row is not None and self.lane is not None:
-            fast = await self._settle(self.lane.pool, carried, carried.rider.row)
+            fast = await self._settle(driver or self.lane.pool, carried, carried.rider.row)
             if isinstance(fast, Found):
                 return fast
         elif self._pg and retention is not None and len(digests) == 1 and self.lane is not None:
@@ -299,6 +301,13 @@ class ReceiptStore:
         await conn.execute(update(scopes).where(*where, scopes.c.stripe == stripe).values(live=scopes.c.live + 1))
         highest = (await conn.execute(select(func.max(scopes.c.live)).where(*where))).scalar_one()
         await conn.execute(update(scopes).where(*where).values(closed=bool(highest > share)))
+
+    async def open_scope(self, scope: Scope) -> None:
+        """Write a scope's count stripes ahead of its first creation, so that the first creations take
+        the one-statement path (``_PG_CREATE``) instead of all queueing on the exact one."""
+        async with self.engine.begin() as conn:
+            await conn.execute(_INSERT_STRIPES, [dict(tenant=scope.tenant, application=scope.application,
+                                                      operation=scope.operation, stripe=k) for k in range(STRIPES)])
 
     async def reopen(self, cap: int) -> None:
         """Let closed scopes whose stripes are all back within their share use the striped path again."""

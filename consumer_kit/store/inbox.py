@@ -86,10 +86,15 @@ class Inbox:
         self._autocommit = engine.execution_options(isolation_level="AUTOCOMMIT")
         self._statements = _Statements()
 
-    async def lookup(self, consumer: str, digests: Sequence[str]) -> dict[str, Any] | None:
-        """The row stored under any of ``digests`` (current HMAC key first), without a lock."""
-        if self.lane is not None and len(digests) == 1:
-            return await self.lane.lookup(consumer, digests[0])
+    async def lookup(self, consumer: str, digests: Sequence[str], *, conn: Any = None) -> dict[str, Any] | None:
+        """The row stored under any of ``digests`` (current HMAC key first), without a lock; on
+        ``conn`` (a lane connection the caller holds) when given."""
+        if self.lane is not None and (len(digests) == 1 or conn is not None):
+            for digest in digests:
+                row = await self.lane.lookup(consumer, digest, conn=conn)
+                if row is not None:
+                    return row
+            return None
         async with self._autocommit.connect() as conn:
             return await self._find(conn, consumer, digests, lock=False)
 
@@ -111,19 +116,20 @@ class Inbox:
 
     async def claim(
         self, consumer: str, digests: Sequence[str], fingerprint: str, *, namespace: str, version: int,
-        rider: Rider | None = None,
+        rider: Rider | None = None, conn: Any = None,
     ) -> Claim:
         """Txn 1 of seed 003: take the lease on a new or abandoned key, or report what holds it.
 
         ``digests[0]`` is the digest under the current HMAC key; later ones are looked up so that a
         row written before a key rotation is still honoured. ``rider`` (see :class:`Rider`) commits
-        with the claim when the lease is ours; it is carried on PostgreSQL's lane only.
+        with the claim when the lease is ours; it is carried on PostgreSQL's lane only. ``conn``: a
+        lane connection the caller holds (outside any transaction), used for every statement.
         """
         existing = None
         if self.lane is None or len(digests) > 1:
             # A plain read first: a redelivery of completed work then costs one indexed SELECT and no
             # write. (PostgreSQL's lane makes the same test inside its one claim statement.)
-            existing = await self.lookup(consumer, digests)
+            existing = await self.lookup(consumer, digests, conn=conn)
             if existing is not None and (existing["state"] != "started" or existing["fingerprint"] != fingerprint):
                 return verdict(existing, fingerprint)
         digest = existing["key_digest"] if existing is not None else digests[0]
@@ -135,7 +141,7 @@ class Inbox:
         if self.lane is not None:
             attempts, row = await self.lane.claim(consumer, digest, namespace, version, fingerprint,
                                                   locked_until=now + self.lease, token=token, now=now,
-                                                  expires_at=now + self.retention, rider=rider)
+                                                  expires_at=now + self.retention, rider=rider, conn=conn)
             if attempts is not None:
                 return Claim(ClaimStatus.ACQUIRED, digest, attempts, token, now + self.lease)
             if row is not None and not _claimable(row, fingerprint, now):
@@ -151,10 +157,10 @@ class Inbox:
             if attempts is not None:
                 return Claim(ClaimStatus.ACQUIRED, digest, attempts, token, now + self.lease)
         # Another claim got there after our statement's snapshot: its committed row decides.
-        row = await self.lookup(consumer, [digest])
+        row = await self.lookup(consumer, [digest], conn=conn)
         if row is None:  # swept between our statements: a brand-new key after all
             return await self.claim(consumer, digests, fingerprint, namespace=namespace, version=version,
-                                    rider=rider)
+                                    rider=rider, conn=conn)
         return verdict(row, fingerprint)
 
     async def claim_in(
@@ -238,7 +244,7 @@ class Inbox:
         if attempts is not None:
             return Claim(ClaimStatus.ACQUIRED, digest, attempts)
         if row is None:  # committed by a concurrent claim after our statement's snapshot: look again
-            row = await self.lane.lookup_on(conn, consumer, digest)
+            row = await self.lane.lookup(consumer, digest, conn=conn)
             if row is None:  # and swept since: a new key after all
                 return await self.claim_on(conn, consumer, digest, fingerprint, namespace=namespace,
                                            version=version, outcome=outcome)

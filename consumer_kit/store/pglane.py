@@ -171,23 +171,28 @@ class PgLane:
         """Close the pool."""
         await self.pool.close()
 
-    async def lookup(self, consumer: str, digest: str) -> dict[str, Any] | None:
-        """The row of ``(consumer, digest)``, or ``None``."""
-        row = await self.pool.fetchrow(LOOKUP, consumer, digest)
+    async def lookup(self, consumer: str, digest: str, *, conn: asyncpg.Connection | None = None,
+                     ) -> dict[str, Any] | None:
+        """The row of ``(consumer, digest)``, or ``None``; on ``conn`` when given (a lane connection the
+        caller holds, maybe inside a transaction), else on a pooled one."""
+        row = await (conn or self.pool).fetchrow(LOOKUP, consumer, digest)
         return None if row is None else dict(row)
 
     async def claim(
         self, consumer: str, digest: str, namespace: str, version: int, fingerprint: str, *,
         locked_until: datetime, token: str, now: datetime, expires_at: datetime, rider: Rider | None = None,
+        conn: asyncpg.Connection | None = None,
     ) -> tuple[int, None] | tuple[None, dict[str, Any] | None]:
         """Insert or take over the row (see ``CLAIM``): ``(attempts, None)`` when we hold the lease,
         else ``(None, row)`` with the row as the statement found it (``None`` when it was not there).
-        ``rider``'s writes happen in the same statement, only when we hold the lease."""
+        ``rider``'s writes happen in the same statement, only when we hold the lease. On ``conn``
+        (a lane connection the caller holds, not in a transaction) when given."""
         args = (consumer, digest, namespace, version, fingerprint, locked_until, token, now, expires_at)
+        target = conn or self.pool
         if rider is None:
-            row = await self.pool.fetchrow(CLAIM, *args)
+            row = await target.fetchrow(CLAIM, *args)
         else:
-            row = rider.row = await self.pool.fetchrow(_with_rider(
+            row = rider.row = await target.fetchrow(_with_rider(
                 _CLAIM_HEAD, _CLAIM_PARAMS, _CLAIM_COLUMNS, _CLAIM_SOURCE, rider.ctes, rider.columns,
                 rider.source), *args, *rider.args)
         if row["anchor_rows"] is not None:
@@ -231,11 +236,6 @@ class PgLane:
         full reset on every release would cost each delivery another round trip.
         """
         return self.pool.acquire()
-
-    async def lookup_on(self, conn: asyncpg.Connection, consumer: str, digest: str) -> dict[str, Any] | None:
-        """:meth:`lookup` inside ``conn``'s transaction."""
-        row = await conn.fetchrow(LOOKUP, consumer, digest)
-        return None if row is None else dict(row)
 
     @staticmethod
     async def complete_on(
