@@ -17,6 +17,7 @@ from consumer_kit.coordinator import (
     SessionReceipt,
     SessionRequest,
 )
+from consumer_kit.coordinator.store import STRIPES
 from consumer_kit.testing import InMemorySource, RecipeHarness
 from consumer_kit.testing.server import served_coordinator
 from tests.conftest import make_settings
@@ -127,7 +128,12 @@ async def test_session_rides_on_the_claim_and_ends_with_the_completion(pg_databa
         return (await app.coordinator.store.stats())[0]
 
     async with app.running():
-        assert (await source.deliver(id="m-0", body=b"{}")).outcome is Outcome.PROCESSED  # the scope exists
+        async with app.engine.connect() as conn:  # opened at start: the first creation rides too
+            stripes = (await conn.exec_driver_sql(
+                "SELECT count(*) FROM idempotency_scopes WHERE tenant = 'local' AND operation = 'session'"
+                " AND live = 0")).scalar_one()
+        assert stripes == STRIPES
+        assert (await source.deliver(id="m-0", body=b"{}")).outcome is Outcome.PROCESSED
         assert await status(sessions[0].session_id) == "ended"
 
         held = Delivery(id="m-1", body=b"{}")
