@@ -77,10 +77,11 @@ CLAIM_DONE_OR_INSPECT = (
     " WHERE inbox.state = 'started' AND inbox.fingerprint = $5"
     " AND (inbox.locked_until IS NULL OR inbox.locked_until <= $7)"
     " RETURNING attempts)"
-    " SELECT true AS acquired, attempts, NULL::text AS state, NULL::text AS fingerprint,"
-    " NULL::timestamptz AS locked_until, NULL::json AS result FROM claimed"
+    " SELECT attempts AS anchor_rows, NULL::text AS inbox_state, NULL::text AS inbox_fingerprint,"
+    " NULL::timestamptz AS inbox_locked_until, NULL::integer AS inbox_attempts, NULL::json AS inbox_result"
+    " FROM claimed"
     " UNION ALL"
-    " SELECT false, attempts, state, fingerprint, locked_until, result FROM inbox"
+    " SELECT NULL, state, fingerprint, locked_until, attempts, result FROM inbox"
     " WHERE consumer = $1 AND key_digest = $2 AND NOT EXISTS (SELECT 1 FROM claimed)"
 )
 INSERT_OUTBOX = (
@@ -195,13 +196,7 @@ class PgLane:
             row = rider.row = await target.fetchrow(_with_rider(
                 _CLAIM_HEAD, _CLAIM_PARAMS, _CLAIM_COLUMNS, _CLAIM_SOURCE, rider.ctes, rider.columns,
                 rider.source), *args, *rider.args)
-        if row["anchor_rows"] is not None:
-            return int(row["anchor_rows"]), None
-        if row["inbox_state"] is None:
-            return None, None
-        return None, {"key_digest": digest, "state": row["inbox_state"], "fingerprint": row["inbox_fingerprint"],
-                      "locked_until": row["inbox_locked_until"], "attempts": row["inbox_attempts"],
-                      "result": row["inbox_result"]}
+        return _claimed(digest, row)
 
     @staticmethod
     async def insert_completed_on(
@@ -301,9 +296,14 @@ class PgLane:
 
 
 def _claimed(digest: str, row: Any) -> tuple[int, None] | tuple[None, dict[str, Any] | None]:
+    """A claim statement's answer: ``(attempts, None)`` when it took the row, else ``(None, row)`` with
+    the inbox row as the statement saw it (``None`` when there was none)."""
     if row is None:
         return None, None
-    if row["acquired"]:
-        return int(row["attempts"]), None
-    return None, {"key_digest": digest, "state": row["state"], "fingerprint": row["fingerprint"],
-                  "locked_until": row["locked_until"], "attempts": row["attempts"], "result": row["result"]}
+    if row["anchor_rows"] is not None:
+        return int(row["anchor_rows"]), None
+    if row["inbox_state"] is None:
+        return None, None
+    return None, {"key_digest": digest, "state": row["inbox_state"], "fingerprint": row["inbox_fingerprint"],
+                  "locked_until": row["inbox_locked_until"], "attempts": row["inbox_attempts"],
+                  "result": row["inbox_result"]}
