@@ -3,6 +3,7 @@ HttpCoordinator against the served coordinator on loopback; plus the user harnes
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -154,6 +155,32 @@ async def test_session_rides_on_the_claim_and_ends_with_the_completion(pg_databa
         assert retried.outcome is Outcome.PROCESSED
         assert sessions[-1].replayed and sessions[-1].session_id == first.session_id
         assert await status(first.session_id) == "ended"
+
+
+@pytest.mark.postgres
+async def test_concurrent_claims_of_one_key_create_one_session(pg_database: str) -> None:
+    """Twenty deliveries of one new key at once: one claim wins, and only its statement creates a
+    session; the losers' riders take no receipt slot."""
+    app = ConsumerApp(make_settings(pg_database))
+    source = InMemorySource(namespace="ticket-queue", version=1)
+    runs: list[SessionReceipt | None] = []
+
+    @app.handler(source, labels=["research-agent"], task="Prepare", driver="asyncpg", name="racing")
+    async def handle(ctx: Context) -> None:
+        runs.append(ctx.session)
+        await asyncio.sleep(0.05)  # still running while the others claim
+
+    async with app.running():
+        results = await asyncio.gather(*(source.deliver(id="m-race", body=b"{}") for _ in range(20)))
+        async with app.engine.connect() as conn:
+            resources = (await conn.exec_driver_sql("SELECT count(*) FROM coordinator_resources")).scalar_one()
+            receipts, live = (await conn.exec_driver_sql(
+                "SELECT (SELECT count(*) FROM idempotency_receipts),"
+                " (SELECT sum(live) FROM idempotency_scopes WHERE operation = 'session')")).one()
+    outcomes = [r.outcome for r in results]
+    assert outcomes.count(Outcome.PROCESSED) == 1 and len(runs) == 1
+    assert set(outcomes) <= {Outcome.PROCESSED, Outcome.IN_PROGRESS, Outcome.DUPLICATE}
+    assert (resources, receipts, live) == (1, 1, 1)
 
 
 async def test_recipe_with_the_harness(settings: Settings) -> None:
