@@ -256,7 +256,8 @@ class Inbox:
         assert self.lane is not None
         now = self.clock()
         return await self.lane.complete_on(conn, consumer, digest, token, outcome=outcome, now=now,
-                                           expires_at=now + self.retention, rider=rider)
+                                           expires_at=now + self.retention,
+                                           keep_from=now + self.retention - self.lease, rider=rider)
 
     async def record_failure(
         self, consumer: str, digests: Sequence[str], fingerprint: str, *, namespace: str, version: int,
@@ -306,7 +307,8 @@ class Inbox:
         now = self.clock()
         if self.lane is not None and result is None:
             return await self.lane.complete(conn, consumer, digest, token, outcome=outcome, now=now,
-                                            expires_at=now + self.retention, rider=rider)
+                                            expires_at=now + self.retention,
+                                            keep_from=now + self.retention - self.lease, rider=rider)
         done = await conn.execute(self._statements.complete, {
             "p_consumer": consumer, "p_key_digest": digest, "p_token": token, "p_outcome": outcome,
             "p_result": result, "p_now": now, "p_expires_at": now + self.retention,

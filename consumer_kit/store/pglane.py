@@ -88,15 +88,19 @@ INSERT_OUTBOX = (
     "INSERT INTO outbox (id, destination, headers, body, created_at, available_at, attempts)"
     " VALUES ($1, $2, $3::json, $4, $5, $6, 0) ON CONFLICT (id) DO NOTHING"
 )
+# The expiry the claim wrote is kept when it is at least $7 (the completion's own, less a lease):
+# an update that changes no indexed column can be a heap-only tuple update, which writes no index
+# entries (ix_inbox_expires_at is the only index besides the key). Retention then counts from at
+# most one lease before the completion instead of from it.
 COMPLETE = (
     "UPDATE inbox SET state = 'completed', locked_until = NULL, lease_token = NULL, outcome = $4,"
-    " last_error = NULL, updated_at = $5, expires_at = $6"
+    " last_error = NULL, updated_at = $5, expires_at = CASE WHEN expires_at >= $7 THEN expires_at ELSE $6 END"
     " WHERE consumer = $1 AND key_digest = $2 AND state = 'started' AND lease_token = $3"
 )
 
 
 _CLAIM_PARAMS = 9
-_COMPLETE_PARAMS = 6
+_COMPLETE_PARAMS = 7
 
 
 class Rider:
@@ -235,11 +239,13 @@ class PgLane:
     @staticmethod
     async def complete_on(
         conn: asyncpg.Connection, consumer: str, digest: str, token: str, *, outcome: str,
-        now: datetime, expires_at: datetime, rider: Rider | None = None,
+        now: datetime, expires_at: datetime, keep_from: datetime, rider: Rider | None = None,
     ) -> bool:
-        """:meth:`complete` on a lane connection; ``False`` when the lease was lost. ``rider``'s writes
-        happen in the same statement (and roll back with the transaction when the lease was lost)."""
-        args = (consumer, digest, token, outcome, now, expires_at)
+        """:meth:`complete` on a lane connection; ``False`` when the lease was lost. The row's expiry
+        becomes ``expires_at`` unless it is already ``keep_from`` or later (see ``COMPLETE``).
+        ``rider``'s writes happen in the same statement (and roll back with the transaction when the
+        lease was lost)."""
+        args = (consumer, digest, token, outcome, now, expires_at, keep_from)
         if rider is None:
             return bool(await conn.execute(COMPLETE, *args) == "UPDATE 1")
         rider.row = await conn.fetchrow(_with_rider(
@@ -288,11 +294,11 @@ class PgLane:
 
     async def complete(
         self, conn: AsyncConnection, consumer: str, digest: str, token: str, *, outcome: str,
-        now: datetime, expires_at: datetime, rider: Rider | None = None,
+        now: datetime, expires_at: datetime, keep_from: datetime, rider: Rider | None = None,
     ) -> bool:
         """Seed 003's completion, inside ``conn``'s transaction; ``False`` when the lease was lost."""
         return await self.complete_on(await self.driver(conn), consumer, digest, token, outcome=outcome,
-                                      now=now, expires_at=expires_at, rider=rider)
+                                      now=now, expires_at=expires_at, keep_from=keep_from, rider=rider)
 
 
 def _claimed(digest: str, row: Any) -> tuple[int, None] | tuple[None, dict[str, Any] | None]:

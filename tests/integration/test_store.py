@@ -150,6 +150,38 @@ async def test_a_rider_commits_with_the_claim_and_the_completion_only(pg_databas
         await engine.dispose()
 
 
+@pytest.mark.postgres
+async def test_completion_keeps_a_recent_expiry_and_renews_an_old_one(pg_database: str) -> None:
+    """On the lane the completion leaves the claim's expiry alone when it is within a lease of the
+    completion's own (so the row is updated in place, without index entries), else renews it."""
+    engine = create_engine(pg_database)
+    await ensure_schema(engine)
+    lane = await PgLane.for_engine(engine, size=2)
+    assert lane is not None
+    clock = Clock()
+    store = Inbox(engine, lease_seconds=30, retention_seconds=3600, clock=clock, lane=lane)
+
+    async def complete_after(name: str, seconds: float) -> datetime:
+        digest = name.ljust(64, "0")
+        claim = await store.claim("c", [digest], "fp", namespace="ns", version=1)
+        assert claim.lease_token is not None
+        clock.now += timedelta(seconds=seconds)
+        async with engine.begin() as conn:
+            assert await store.complete(conn, "c", digest, claim.lease_token, outcome="processed")
+            expires: datetime = (await conn.execute(
+                select(inbox.c.expires_at).where(inbox.c.key_digest == digest))).scalar_one()
+        return expires
+
+    try:
+        claimed_at = clock.now
+        assert await complete_after("quick", 5) == claimed_at + timedelta(seconds=3600)
+        completed_at = clock.now + timedelta(seconds=90)
+        assert await complete_after("slow", 90) == completed_at + timedelta(seconds=3600)
+    finally:
+        await lane.close()
+        await engine.dispose()
+
+
 def _ours(name: str | None, type_: str, parent_names: object) -> bool:
     # Other tests leave tables of their own in the shared database; only consumer-kit's are compared.
     return type_ != "table" or name in metadata.tables
