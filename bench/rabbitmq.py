@@ -17,7 +17,7 @@ that round's rate over that round's hand-rolled rate.
 
 Run: ``python -m bench rabbitmq`` with PostgreSQL and RabbitMQ on 127.0.0.1 (``CK_BENCH_PG_ADMIN_URL``,
 ``CK_BENCH_AMQP_URL``, ``CK_BENCH_RABBITMQ_MESSAGES``, ``CK_BENCH_RABBITMQ_PREFETCH``,
-``CK_BENCH_ROUNDS`` override). A database and queues are created for the run and dropped afterwards.
+``CK_BENCH_ROUNDS``, ``CK_BENCH_POOL`` override). A database and queues are created for the run and dropped afterwards.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from sources.rabbitmq import DEFAULT_RETRY_DELAYS, RabbitMQSource
 AMQP_URL = os.environ.get("CK_BENCH_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/")
 MESSAGES = int(os.environ.get("CK_BENCH_RABBITMQ_MESSAGES", "20000"))
 PREFETCH = int(os.environ.get("CK_BENCH_RABBITMQ_PREFETCH", "64"))
-ROUNDS = int(os.environ.get("CK_BENCH_ROUNDS", "2"))
+ROUNDS = int(os.environ.get("CK_BENCH_ROUNDS", "3"))
 DB_CONNECTIONS = 20  # at most, for every contender (the server is shared)
 
 
