@@ -417,14 +417,7 @@ class Pipeline:
                 ctx.session = receipt
                 await spec.func(ctx)
                 await ctx.outbox.flush(raw)
-                ending = self._ending(receipt)
-                if single is None:
-                    assert claim.lease_token is not None
-                    if not await self.inbox.complete_on(raw, spec.consumer, claim.digest, claim.lease_token,
-                                                        outcome=processed, rider=ending):
-                        raise LeaseLost()
-                if ending is not None and receipt is not None:
-                    await self._end_in_transaction(receipt, ending, key, claim, raw=raw)
+                await self._finish(spec, key, claim, receipt, leased=single is None, raw=raw)
             return claim
         async with self._transaction() as (conn, session):
             if single is not None:
@@ -439,15 +432,29 @@ class Pipeline:
             await ctx.outbox.flush()
             if session.new or session.dirty or session.deleted:  # ORM objects to write
                 await session.flush()
-            ending = self._ending(receipt)
-            if single is None:
-                assert claim.lease_token is not None
-                if not await self.inbox.complete(conn, spec.consumer, claim.digest, claim.lease_token,
-                                                 outcome=processed, rider=ending):
-                    raise LeaseLost()
-            if ending is not None and receipt is not None:
-                await self._end_in_transaction(receipt, ending, key, claim, conn=conn)
+            await self._finish(spec, key, claim, receipt, leased=single is None, conn=conn)
         return claim
+
+    async def _finish(self, spec: HandlerSpec, key: OperationKey, claim: Claim, receipt: SessionReceipt | None,
+                      *, leased: bool, conn: AsyncConnection | None = None, raw: Any = None) -> None:
+        """The end of the handler's transaction: complete the inbox row if this attempt holds its
+        lease (``leased``; LeaseLost otherwise) and end the session with it, on ``raw`` (a lane
+        connection) or ``conn``."""
+        ending = self._ending(receipt)
+        if leased:
+            assert claim.lease_token is not None
+            processed = Outcome.PROCESSED.value
+            if raw is not None:
+                done = await self.inbox.complete_on(raw, spec.consumer, claim.digest, claim.lease_token,
+                                                    outcome=processed, rider=ending)
+            else:
+                assert conn is not None
+                done = await self.inbox.complete(conn, spec.consumer, claim.digest, claim.lease_token,
+                                                 outcome=processed, rider=ending)
+            if not done:
+                raise LeaseLost()
+        if ending is not None and receipt is not None:
+            await self._end_in_transaction(receipt, ending, key, claim, conn=conn, raw=raw)
 
     @contextlib.asynccontextmanager
     async def _transaction(self) -> AsyncIterator[tuple[AsyncConnection, AsyncSession]]:
