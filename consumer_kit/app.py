@@ -10,12 +10,13 @@ from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import httpx
+from pydantic import ValidationError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from consumer_kit import metrics
 from consumer_kit.coordinator.embedded import EmbeddedCoordinator
 from consumer_kit.coordinator.http import HttpCoordinator
-from consumer_kit.coordinator.protocol import Coordinator
+from consumer_kit.coordinator.protocol import Coordinator, SessionRequest
 from consumer_kit.delivery import Delivery, Result, Source
 from consumer_kit.errors import ConfigurationError
 from consumer_kit.pipeline import Handler, HandlerSpec, Pipeline
@@ -93,6 +94,13 @@ class ConsumerApp:
             # write lock the embedded coordinator needs: keep coordinator work on the two-transaction path.
             raise ConfigurationError("single_transaction handlers cannot have a coordinator session "
                                      "(labels/task); use the default two-transaction path")
+
+        if labels or isinstance(task, str):
+            try:  # the fixed part of the session request, checked now rather than at every delivery
+                SessionRequest(labels=tuple(labels), task=task if isinstance(task, str) else None)
+            except ValidationError as exc:
+                raise ConfigurationError(f"labels/task do not make a valid session request: "
+                                         f"{exc.errors(include_input=False)}") from None
 
         def register(func: H) -> H:
             self.specs.append(HandlerSpec(

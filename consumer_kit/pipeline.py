@@ -33,6 +33,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import httpx
+from pydantic import ValidationError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
 from consumer_kit import metrics
@@ -272,7 +273,11 @@ class Pipeline:
             if prepared is not None:
                 assert isinstance(self.coordinator, EmbeddedCoordinator)
                 return await self.coordinator.create_prepared(prepared, driver=raw)
-            request = self._session_request(spec, delivery)
+            try:
+                request = self._session_request(spec, delivery)
+            except ValidationError as exc:  # the task this delivery gave is not one (too long, not text)
+                detail = redact(f"the session request is invalid: {exc.errors(include_input=False)}", key)[:500]
+                return await self._dead(spec, delivery, key, claim, "invalid_session_request", detail)
             return await self.coordinator.create_session(request, idempotency_key=key.derive("session"))
         except (IdempotencyKeyConflict, IdempotencyResultInactive) as exc:
             result = await self._dead(spec, delivery, key, claim, exc.reason, _describe(exc, key))

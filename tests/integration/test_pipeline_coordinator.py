@@ -10,7 +10,16 @@ from typing import Any
 import pytest
 from sqlalchemy import Column, Integer, MetaData, String, Table, func, select
 
-from consumer_kit import ConsumerApp, Context, Delivery, Outcome, RetryableError, Settings, Settlement
+from consumer_kit import (
+    ConfigurationError,
+    ConsumerApp,
+    Context,
+    Delivery,
+    Outcome,
+    RetryableError,
+    Settings,
+    Settlement,
+)
 from consumer_kit.coordinator import (
     CoordinatorUnavailable,
     EmbeddedCoordinator,
@@ -181,6 +190,33 @@ async def test_concurrent_claims_of_one_key_create_one_session(pg_database: str)
     assert outcomes.count(Outcome.PROCESSED) == 1 and len(runs) == 1
     assert set(outcomes) <= {Outcome.PROCESSED, Outcome.IN_PROGRESS, Outcome.DUPLICATE}
     assert (resources, receipts, live) == (1, 1, 1)
+
+
+async def test_an_invalid_session_request_parks_the_delivery_at_once(settings: Settings) -> None:
+    """A task this delivery makes that no session may carry (over 4096 characters) is bad input: parked
+    with its reason on the first delivery, not retried until the budget runs out."""
+    app = ConsumerApp(settings)
+    source = InMemorySource(namespace="ticket-queue", version=1)
+    runs: list[int] = []
+
+    @app.handler(source, labels=["research-agent"], task=lambda d: "Prepare " + d.text() * 5000)
+    async def handle(ctx: Context) -> None:
+        runs.append(1)
+
+    async with app.running():
+        result = await source.deliver(id="m-long", body="x")
+        assert (result.outcome, result.settlement, result.reason) == (
+            Outcome.DEAD_LETTERED, Settlement.DEAD_LETTER, "invalid_session_request")
+        [parked] = await app.dead_letters.list()
+        assert parked.reason == "invalid_session_request" and "task" in (parked.detail or "")
+        assert (await source.deliver(id="m-long", body="x")).outcome is Outcome.DUPLICATE  # parked key
+    assert runs == []
+
+
+def test_a_fixed_task_that_cannot_be_a_session_is_refused_at_registration(sqlite_url: str) -> None:
+    app = ConsumerApp(make_settings(sqlite_url))
+    with pytest.raises(ConfigurationError, match="valid session request"):
+        app.handler(InMemorySource(namespace="n", version=1), task="x" * 5000)
 
 
 async def test_recipe_with_the_harness(settings: Settings) -> None:
