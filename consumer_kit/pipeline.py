@@ -141,7 +141,9 @@ class Pipeline:
             # The claim and the handler's transaction on one lane connection: one pool checkout per
             # delivery. Nothing between them takes a second lane connection (the coordinator step is
             # handed this one; the rest of the store uses SQLAlchemy's pool), so a full lane cannot
-            # leave every holder waiting for another.
+            # leave every holder waiting for another. It is held through the in-process retry backoff
+            # too (RETRY_BACKOFF_MAX_SECONDS at most per attempt), as the transaction holds it through
+            # the handler.
             assert self.inbox.lane is not None, "driver='asyncpg' is checked against the database at start"
             async with self.inbox.lane.connection() as raw:
                 return await self._two_transactions(spec, delivery, key, digests, fingerprint, raw)
