@@ -1,11 +1,13 @@
 """The inbox's hot path on PostgreSQL, spoken to asyncpg directly.
 
 SQLAlchemy's async layer costs about twice asyncpg's CPU per statement (measured by
-``bench/pipeline.py``), and the claim, the replay lookup and the completion run for every delivery.
-So on PostgreSQL those three statements go straight to asyncpg: the first two on a small pool of
-their own, in autocommit, the completion on the driver connection underneath the handler's
-SQLAlchemy transaction, so that it still commits together with the handler's writes.
-Everything else in the store stays on SQLAlchemy Core.
+``bench/pipeline.py``), and the claim and the completion run for every delivery. So on PostgreSQL
+those statements go straight to asyncpg, on a pool of their own (the lane): the claim in autocommit
+(one statement that also reports the row it found, so a repeat costs no second read), the
+completion on the connection of the handler's transaction, so that it commits with the handler's
+writes. Handlers registered with ``driver="asyncpg"`` run their whole transaction on a lane
+connection. Another component's writes that must commit with a claim or a completion ride in the
+same statement (:class:`Rider`). Everything else in the store stays on SQLAlchemy Core.
 """
 
 from __future__ import annotations
