@@ -185,7 +185,7 @@ async def test_sqlite_refuses_asyncpg_handlers(sqlite_url: str) -> None:
 
     @app.handler(InMemorySource(namespace="raw", version=1), driver="asyncpg")
     async def handle(ctx: Context) -> None:
-        pass
+        raise AssertionError("never runs: the app refuses to start")
 
     with pytest.raises(ConfigurationError, match="need PostgreSQL"):
         await app.start()
