@@ -204,7 +204,7 @@ class ConsumerApp:
             self._relay = asyncio.create_task(relay.run(self._relay_stop), name="consumer-kit-relay")
         try:
             for spec in self.specs:
-                await spec.source.start(self._dispatcher(spec))
+                await spec.source.start(self._dispatcher(spec), settings)
                 self._started.append(spec.source)
         except BaseException:
             await self.stop(grace=0)

@@ -9,10 +9,13 @@ import json
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from consumer_kit.errors import MissingStableId
 from consumer_kit.keys import OperationKey
+
+if TYPE_CHECKING:
+    from consumer_kit.settings import Settings
 
 
 class Outcome(enum.StrEnum):
@@ -108,8 +111,9 @@ class Source(Protocol):
         """The operation key of a delivery; raises MissingStableId or InvalidKey."""
         ...
 
-    async def start(self, dispatch: Dispatch) -> None:
-        """Begin intake, handing every delivery to ``dispatch``."""
+    async def start(self, dispatch: Dispatch, settings: Settings) -> None:
+        """Begin intake, handing every delivery to ``dispatch``; ``settings`` are the app's (a source
+        reads its connection URLs and limits there, never from the environment on its own)."""
         ...
 
     async def stop(self) -> None:
@@ -149,7 +153,7 @@ class CallIntake:
 
     _dispatch: Dispatch | None = None
 
-    async def start(self, dispatch: Dispatch) -> None:
+    async def start(self, dispatch: Dispatch, settings: Settings) -> None:
         """Accept deliveries."""
         self._dispatch = dispatch
 

@@ -88,7 +88,6 @@ class RabbitMQSource(KeyedSource):
         dead_letter: bool = True,
         dead_letter_queue: str | None = None,
         retry_delays: Sequence[float] = DEFAULT_RETRY_DELAYS,
-        settings: Settings | None = None,
     ) -> None:
         super().__init__(namespace=namespace, version=version, key_mapper=key_mapper)
         if prefetch < 1:
@@ -102,7 +101,6 @@ class RabbitMQSource(KeyedSource):
         self.dead_letter = dead_letter
         self.dead_letter_queue = dead_letter_queue or f"{queue}.dlq"
         self.retry_delays = tuple(sorted(retry_delays))
-        self.settings = settings
         self._connection: AbstractConnection | None = None
         self._channel: AbstractChannel | None = None
         self._queue: AbstractQueue | None = None
@@ -114,9 +112,10 @@ class RabbitMQSource(KeyedSource):
         """The name of the retry queue for ``delay`` seconds."""
         return f"{self.queue}.retry.{round(delay * 1000)}ms"
 
-    async def start(self, dispatch: Dispatch) -> None:
-        """Connect, declare (or check) the queues, and begin consuming."""
-        url = (self.settings or Settings()).require_rabbitmq_url(self.url)
+    async def start(self, dispatch: Dispatch, settings: Settings) -> None:
+        """Connect (to ``url``, else the app's ``RABBITMQ_URL``), declare (or check) the queues, and
+        begin consuming."""
+        url = settings.require_rabbitmq_url(self.url)
         self._dispatch = dispatch
         try:
             self._connection = await aio_pika.connect_robust(
