@@ -28,7 +28,6 @@ from bench.common import drive, scratch_database, verdict
 from consumer_kit import Settings
 from consumer_kit.coordinator import EmbeddedCoordinator, HttpCoordinator, SessionRequest
 from consumer_kit.store import create_engine, upgrade
-from consumer_kit.store.pglane import PgLane
 from consumer_kit.testing.server import free_port
 
 N = int(os.environ.get("CK_BENCH_COORDINATOR_N", "5000"))
@@ -67,9 +66,7 @@ async def embedded(url: str, keys: list[str]) -> tuple[float, float]:
     settings = Settings(database_url=url, idempotency_hmac_key=HMAC_KEY,  # type: ignore[arg-type]
                         idempotency_max_receipts_per_scope=10 * N * ROUNDS)
     engine = create_engine(settings.database_url, pool_size=CONCURRENCY)
-    # As ConsumerApp and the served coordinator set it up: the hot statements on an asyncpg lane.
-    lane = await PgLane.for_engine(engine, size=CONCURRENCY)
-    coordinator = EmbeddedCoordinator(engine, settings, tenant="bench", application="embedded", lane=lane)
+    coordinator = EmbeddedCoordinator(engine, settings, tenant="bench", application="embedded")
 
     async def create(key: str) -> None:
         await coordinator.create_session(REQUEST, idempotency_key=key)
@@ -79,8 +76,6 @@ async def embedded(url: str, keys: list[str]) -> tuple[float, float]:
         replayed = await drive(keys, create, CONCURRENCY)
         return created, replayed
     finally:
-        if lane is not None:
-            await lane.close()
         await engine.dispose()
 
 

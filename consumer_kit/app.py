@@ -24,8 +24,8 @@ from consumer_kit.relay import OutboxRelay, Publisher
 from consumer_kit.retry import RetryPolicy
 from consumer_kit.settings import Settings
 from consumer_kit.store import DeadLetters, Inbox, Outbox, create_engine, ensure_schema, utcnow
+from consumer_kit.store.executor import Database
 from consumer_kit.store.inbox import Clock
-from consumer_kit.store.pglane import PgLane
 
 if TYPE_CHECKING:
     from starlette.applications import Starlette
@@ -55,7 +55,7 @@ class ConsumerApp:
         self._coordinator: Coordinator | None = None
         self.specs: list[HandlerSpec] = []
         self._engine: AsyncEngine | None = None
-        self._lane: PgLane | None = None
+        self._database: Database | None = None
         self._pipeline: Pipeline | None = None
         self._http: httpx.AsyncClient | None = None
         self._in_flight: set[asyncio.Task[Any]] = set()  # the tasks inside a dispatch now
@@ -125,7 +125,14 @@ class ConsumerApp:
     @property
     def outbox(self) -> Outbox:
         """The outbox store (available once started)."""
-        return Outbox(self.engine, clock=self.clock)
+        return Outbox(self.database, clock=self.clock)
+
+    @property
+    def database(self) -> Database:
+        """The store's database: the engine and the executor chosen for its driver (once started)."""
+        if self._database is None:
+            raise RuntimeError("the app is not started")
+        return self._database
 
     @property
     def engine(self) -> AsyncEngine:
@@ -171,26 +178,22 @@ class ConsumerApp:
             await engine.dispose()
             raise
         self._engine = engine
-        raw_handlers = any(spec.driver == "asyncpg" for spec in self.specs)
-        if raw_handlers and engine.dialect.name != "postgresql":
+        database = self._database = Database(engine)
+        if any(spec.driver == "asyncpg" for spec in self.specs) and not database.asyncpg:
             await engine.dispose()
-            self._engine = None
-            raise ConfigurationError("driver='asyncpg' handlers need PostgreSQL; DATABASE_URL is "
-                                     f"{engine.dialect.name}")
-        if engine.dialect.name == "postgresql":
-            # Single autocommit statements hold a connection only for one round trip: half as many
-            # do, unless asyncpg handlers run their whole transactions on the lane.
-            size = settings.db_pool_size if raw_handlers else max(2, settings.db_pool_size // 2)
-            self._lane = await PgLane.open(settings.database_url, size=size)
+            self._engine = self._database = None
+            raise ConfigurationError("driver='asyncpg' handlers need PostgreSQL on the asyncpg driver; "
+                                     f"DATABASE_URL is {engine.dialect.name}+{engine.dialect.driver}")
         self._http = httpx.AsyncClient(timeout=httpx.Timeout(20.0))
-        self._coordinator = self._given_coordinator or self._default_coordinator(engine)
+        self._coordinator = self._given_coordinator or self._default_coordinator(database)
         if isinstance(self._coordinator, EmbeddedCoordinator) and any(s.labels or s.task for s in self.specs):
             await self._coordinator.open()
         self._pipeline = Pipeline(
             settings=settings,
-            inbox=Inbox(engine, lease_seconds=settings.inbox_lease_seconds,
-                        retention_seconds=settings.inbox_retention_seconds, clock=self.clock, lane=self._lane),
-            dead_letters=DeadLetters(engine, clock=self.clock),
+            database=database,
+            inbox=Inbox(database, lease_seconds=settings.inbox_lease_seconds,
+                        retention_seconds=settings.inbox_retention_seconds, clock=self.clock),
+            dead_letters=DeadLetters(database, clock=self.clock),
             digester=digester,
             http=self._http,
             coordinator=self._coordinator,
@@ -211,7 +214,7 @@ class ConsumerApp:
             raise
         log.info("consumer-kit started: %d source(s) on %s", len(self.specs), engine.dialect.name)
 
-    def _default_coordinator(self, engine: AsyncEngine) -> Coordinator:
+    def _default_coordinator(self, database: Database) -> Coordinator:
         settings = self.settings
         if settings.coordinator_url:
             if settings.coordinator_token is None:
@@ -221,7 +224,7 @@ class ConsumerApp:
                 policy=RetryPolicy(attempts=settings.coordinator_retry_attempts,
                                    total_seconds=settings.coordinator_retry_seconds),
             )
-        return EmbeddedCoordinator(engine, settings, clock=self.clock, lane=self._lane)
+        return EmbeddedCoordinator(database, settings, clock=self.clock)
 
     def _dispatcher(self, spec: HandlerSpec) -> Callable[[Delivery], Any]:
         in_flight, drained, process = self._in_flight, self._drained, self.pipeline.process
@@ -282,15 +285,12 @@ class ConsumerApp:
         if self._http is not None:
             await self._http.aclose()
             self._http = None
-        if self._lane is not None:
-            await self._lane.close()
-            self._lane = None
         if isinstance(self._coordinator, HttpCoordinator) and self._given_coordinator is None:
             await self._coordinator.aclose()
         self._coordinator = None
         if self._engine is not None:
             await self._engine.dispose()
-            self._engine = None
+            self._engine = self._database = None
         self._pipeline = None
 
     @contextlib.asynccontextmanager

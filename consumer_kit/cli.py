@@ -32,7 +32,7 @@ from consumer_kit.app import ConsumerApp
 from consumer_kit.errors import ConfigurationError
 from consumer_kit.http import has_http_sources
 from consumer_kit.settings import Settings
-from consumer_kit.store import DeadLetters, create_engine, ensure_schema, schema_revisions, upgrade
+from consumer_kit.store import Database, DeadLetters, create_engine, ensure_schema, schema_revisions, upgrade
 
 Command = Callable[[argparse.Namespace], int]
 T = TypeVar("T")
@@ -79,7 +79,7 @@ async def _dead_letters(args: argparse.Namespace) -> int:
     settings = Settings()
     engine = create_engine(settings.database_url)
     try:
-        letters = await DeadLetters(engine).list(consumer=args.consumer, reason=args.reason, limit=args.limit)
+        letters = await DeadLetters(Database(engine)).list(consumer=args.consumer, reason=args.reason, limit=args.limit)
     finally:
         await engine.dispose()
     for letter in letters:
@@ -133,7 +133,7 @@ async def _relay(app_target: str | None) -> int:
         loop.add_signal_handler(sig, stop.set)
     try:
         await ensure_schema(engine)
-        await OutboxRelay(Outbox(engine), publisher, settings).run(stop)
+        await OutboxRelay(Outbox(Database(engine)), publisher, settings).run(stop)
     finally:
         await publisher.close()
         await engine.dispose()

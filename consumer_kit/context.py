@@ -1,10 +1,9 @@
-"""What a handler gets: its key, the delivery, a database session inside the completing transaction,
-an outbox in that transaction, and derived keys for every downstream call."""
+"""What a handler gets: its key, the delivery, the database inside the transaction that completes the
+delivery, an outbox in that transaction, and derived keys for every downstream call."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -13,28 +12,45 @@ from consumer_kit.delivery import Delivery
 from consumer_kit.keys import OperationKey
 from consumer_kit.store.outbox import OutboxWriter
 
+if TYPE_CHECKING:
+    from consumer_kit.store.executor import Executor
 
-@dataclass(slots=True)
+
 class Context:
     """The handler's view of one delivery.
 
     ``db`` is an ``AsyncSession`` whose transaction also marks the delivery completed in the inbox:
     what the handler writes through it commits if and only if the delivery is recorded as done, and
-    rolls back if the handler raises or the lease was lost. Do not commit it yourself.
-    ``outbox.publish(destination, body, headers=...)`` stages a message in that same transaction.
+    rolls back if the handler raises or the lease was lost. Do not commit it yourself (a commit there
+    does not end the delivery's transaction). ``outbox.publish(destination, body, headers=...)`` stages
+    a message in that same transaction.
     """
 
-    key: OperationKey
-    delivery: Delivery
-    db: AsyncSession
-    attempt: int
-    key_digest: str
-    outbox: OutboxWriter
-    session: Any = None  # the coordinator's session receipt; None when no coordinator is configured
-    http: httpx.AsyncClient | None = None
-    connection: Any = None
-    """The asyncpg connection inside the delivery's transaction, for a handler registered with
-    ``driver="asyncpg"`` (PostgreSQL): asyncpg's speed, with the same guarantee as ``db``."""
+    __slots__ = ("_executor", "attempt", "delivery", "http", "key", "key_digest", "outbox", "session")
+
+    def __init__(self, *, key: OperationKey, delivery: Delivery, executor: Executor, attempt: int,
+                 key_digest: str, outbox: OutboxWriter, session: Any = None,
+                 http: httpx.AsyncClient | None = None) -> None:
+        self.key = key
+        self.delivery = delivery
+        self._executor = executor
+        self.attempt = attempt
+        self.key_digest = key_digest
+        self.outbox = outbox
+        self.session = session
+        """The coordinator's session receipt; ``None`` when the handler describes no session."""
+        self.http = http
+
+    @property
+    def db(self) -> AsyncSession:
+        """An SQLAlchemy ``AsyncSession`` inside the delivery's transaction (made on first use)."""
+        return self._executor.session
+
+    @property
+    def connection(self) -> Any:
+        """The asyncpg connection inside the delivery's transaction (PostgreSQL on the asyncpg driver;
+        ``None`` otherwise): asyncpg's speed, with the same guarantee as ``db``."""
+        return self._executor.driver
 
     def derive(self, destination: str) -> str:
         """The idempotency key for ``destination``: ``<destination>:<this key>``."""

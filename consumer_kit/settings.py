@@ -59,8 +59,8 @@ class Settings(BaseSettings):
     shutdown_grace_seconds: float = Field(30.0, ge=0)
     sweep_interval_seconds: float = Field(60.0, gt=0)
     sweep_batch_size: int = Field(500, gt=0)
-    db_pool_size: int = Field(10, gt=0, description="Connections per pool (SQLAlchemy's, which may overflow by as "
-                              "many again, and on PostgreSQL the asyncpg lane's); see the README.")
+    db_pool_size: int = Field(10, gt=0, description="Connections kept in the pool, which may overflow by as many "
+                              "again; a delivery holds one from its claim to its commit. See the README.")
 
     coordinator_url: str | None = Field(None, description="An HTTP coordinator; unset = the embedded one.")
     coordinator_token: SecretStr | None = Field(None, description="Bearer token for COORDINATOR_URL.")

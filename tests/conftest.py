@@ -158,15 +158,17 @@ def sqlite_url(tmp_path: Path) -> str:
     return f"sqlite+aiosqlite:///{tmp_path}/consumer-kit.db"
 
 
-@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres),
+                        pytest.param("psycopg", marks=pytest.mark.postgres)])
 async def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[str]:
-    """Each test that takes it runs twice: on a SQLite file and on the real PostgreSQL server."""
+    """Each test that takes it runs three times: on a SQLite file, and on the real PostgreSQL server
+    through asyncpg (the store's asyncpg executor) and through psycopg (its SQLAlchemy executor)."""
     if request.param == "sqlite":
         yield f"sqlite+aiosqlite:///{tmp_path}/consumer-kit.db"
     else:
         url = request.getfixturevalue("pg_url")
         await truncate_all(url)
-        yield url
+        yield url if request.param == "postgres" else url.replace("+asyncpg://", "+psycopg://")
 
 
 def make_settings(database_url: str, **overrides: object) -> Settings:

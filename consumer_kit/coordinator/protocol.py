@@ -16,9 +16,13 @@ import secrets
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field
+
+if TYPE_CHECKING:
+    from consumer_kit.store.executor import Database, Executor, Row
+    from consumer_kit.store.receipts import Creation, Ending
 
 Operation = Literal["session", "delegation"]
 
@@ -155,3 +159,44 @@ class SessionScope(abc.ABC):
         receipt = await self.create_session(SessionRequest(**fields), idempotency_key=idempotency_key)
         yield receipt
         await self.end_session(receipt.session_id)
+
+
+class SessionStep(Protocol):
+    """A coordinator's sessions kept in the inbox's own database, seen from the pipeline.
+
+    The session of a delivery is created in the statement that claims it (:meth:`prepare`: only when
+    the claim takes the lease) and ended in the transaction that completes it (:meth:`ending`, then
+    :meth:`end`): the session ends if and only if the delivery's effect commits.
+    """
+
+    def prepare(self, request: SessionRequest, *, idempotency_key: str,
+                request_fingerprint: str | None = None) -> Creation | None:
+        """A creation to carry on the delivery's claim; ``None`` when it cannot ride (:meth:`open` then
+        makes the whole creation)."""
+        ...
+
+    async def open(self, ex: Executor, request: SessionRequest, *, idempotency_key: str,
+                   carried: tuple[Creation, Row] | None) -> SessionReceipt:
+        """The session of a claimed delivery: what a carried creation did, or the creation now on
+        ``ex`` (outside a transaction). Raises as :meth:`Coordinator.create_session` does."""
+        ...
+
+    def ending(self, session_id: str) -> Ending:
+        """The session's ending, to carry on the delivery's completion."""
+        ...
+
+    async def end(self, ex: Executor, ending: Ending, session_id: str) -> bool:
+        """Inside the delivery's transaction, after the completion: whether the session ended (the
+        completion carried the ending, or it is ended now); ``False`` when no such session exists."""
+        ...
+
+
+@runtime_checkable
+class SessionsInTransaction(Protocol):
+    """An optional protocol: a coordinator that can create and end sessions inside a delivery's
+    transaction, when the delivery's database is its own. The pipeline asks once, at start."""
+
+    def session_step(self, database: Database) -> SessionStep | None:
+        """The step for deliveries on ``database``, or ``None`` when this coordinator's sessions live
+        elsewhere (the pipeline then creates them before the handler and ends them after the commit)."""
+        ...

@@ -35,7 +35,6 @@ from consumer_kit.errors import (
 from consumer_kit.keys import validate_key
 from consumer_kit.settings import Settings
 from consumer_kit.store import create_engine, ensure_schema
-from consumer_kit.store.pglane import PgLane
 
 log = logging.getLogger("consumer_kit.coordinator.server")
 
@@ -183,16 +182,12 @@ async def serve(settings: Settings, *, host: str = "127.0.0.1", port: int = 8080
     if not tokens:
         log.warning("COORDINATOR_TOKENS is empty: every request will be refused with 401")
     engine = create_engine(settings.database_url, pool_size=settings.db_pool_size)
-    lane: PgLane | None = None
     try:
         await ensure_schema(engine)
-        lane = await PgLane.for_engine(engine, size=settings.db_pool_size)
-        coordinator = EmbeddedCoordinator(engine, settings, digester=settings.digester(), lane=lane)
+        coordinator = EmbeddedCoordinator(engine, settings, digester=settings.digester())
         app = create_app(coordinator, tokens, sweep_interval=settings.sweep_interval_seconds)
         config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
                                 lifespan="on")
         await uvicorn.Server(config).serve()
     finally:
-        if lane is not None:
-            await lane.close()
         await engine.dispose()

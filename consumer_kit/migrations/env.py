@@ -11,9 +11,6 @@ import asyncio
 from alembic import context
 from sqlalchemy import Connection
 
-# The coordinator's tables live in its own package on the shared metadata; import them so that
-# autogenerate and the schema test see every table consumer-kit owns.
-import consumer_kit.coordinator.tables  # noqa: F401  (registers the tables on `metadata`)
 from consumer_kit.settings import Settings
 from consumer_kit.store.database import VERSION_TABLE, create_engine
 from consumer_kit.store.tables import metadata

@@ -1,10 +1,13 @@
-"""Persistence: the tables, the inbox engine, the outbox, dead letters and schema management.
+"""Persistence: the tables, every SQL statement (:mod:`.sql`), the one seam to the database driver
+(:mod:`.executor`), and the stores on it: the inbox, the outbox, dead letters and the embedded
+coordinator's receipts; plus schema management.
 
-The store owns every SQL statement; the pipeline and the sources call its methods.
+The store owns every SQL statement; the pipeline, the coordinator and the sources call its methods.
 """
 
 from consumer_kit.store.database import create_engine, ensure_schema, schema_revisions, upgrade
 from consumer_kit.store.dead_letters import DeadLetter, DeadLetters
+from consumer_kit.store.executor import Database, Executor
 from consumer_kit.store.inbox import Claim, ClaimStatus, Inbox, utcnow
 from consumer_kit.store.outbox import Outbox, OutboxBatch, OutboxMessage, OutboxStats, OutboxWriter
 from consumer_kit.store.tables import dead_letters, inbox, metadata, outbox
@@ -12,8 +15,10 @@ from consumer_kit.store.tables import dead_letters, inbox, metadata, outbox
 __all__ = [
     "Claim",
     "ClaimStatus",
+    "Database",
     "DeadLetter",
     "DeadLetters",
+    "Executor",
     "Inbox",
     "Outbox",
     "OutboxBatch",

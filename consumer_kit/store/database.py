@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from importlib import resources
 from typing import Any
 
@@ -10,6 +11,7 @@ from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import Connection, event
+from sqlalchemy.engine import ExceptionContext
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from consumer_kit.errors import ConfigurationError, SchemaOutOfDate
@@ -54,6 +56,17 @@ def _sqlite_pragmas(engine: AsyncEngine) -> None:
         cursor.execute("PRAGMA busy_timeout=30000")
         cursor.execute("PRAGMA foreign_keys=ON")
         cursor.close()
+
+    @event.listens_for(sync_engine, "handle_error")
+    def _on_error(context: ExceptionContext) -> None:
+        # A cancelled await (a broker reconnect, the shutdown grace, a client that hung up) is an "exit
+        # exception" to SQLAlchemy, which then invalidates the connection. With aiosqlite that leaks the
+        # sqlite3 connection, still inside its transaction and holding the write lock, until the
+        # garbage collector finds it: every other writer waits out the busy timeout. The statement
+        # runs to its end in aiosqlite's thread whatever happens to the awaiting task, and the
+        # rollback queues behind it, so the connection is sound: keep it, and let it roll back.
+        if isinstance(context.original_exception, asyncio.CancelledError):
+            context.is_disconnect = False
 
     @event.listens_for(sync_engine, "begin")
     def _on_begin(conn: Connection) -> None:

@@ -8,11 +8,9 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import func, select
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
-
+from consumer_kit.store import sql
+from consumer_kit.store.executor import Database, Executor
 from consumer_kit.store.inbox import Clock, utcnow
-from consumer_kit.store.tables import dead_letters
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,12 +34,13 @@ class DeadLetter:
 class DeadLetters:
     """Park deliveries and list them."""
 
-    def __init__(self, engine: AsyncEngine, *, clock: Clock = utcnow) -> None:
-        self.engine = engine
+    def __init__(self, database: Database, *, clock: Clock = utcnow) -> None:
+        self.database = database
         self.clock = clock
 
     async def park(
         self,
+        ex: Executor | None = None,
         *,
         consumer: str,
         source: str,
@@ -53,38 +52,31 @@ class DeadLetters:
         headers: Mapping[str, str],
         attempts: int,
         detail: str | None = None,
-        conn: AsyncConnection | None = None,
     ) -> str:
-        """Store a parked delivery (inside ``conn``'s transaction when given) and return its id."""
+        """Store a parked delivery (in ``ex``'s transaction when given, else on its own) and return its id."""
         letter_id = secrets.token_hex(16)
-        statement = dead_letters.insert().values(
-            id=letter_id, consumer=consumer, source=source, namespace=namespace, version=version,
-            key_digest=key_digest, reason=reason, detail=detail, body=body, headers=dict(headers),
-            attempts=attempts, created_at=self.clock(),
-        )
-        if conn is not None:
-            await conn.execute(statement)
+        params = {"id": letter_id, "consumer": consumer, "source": source, "namespace": namespace,
+                  "version": version, "key_digest": key_digest, "reason": reason, "detail": detail,
+                  "body": body, "headers": dict(headers), "attempts": attempts, "created_at": self.clock()}
+        if ex is not None:
+            await ex.execute(sql.INSERT_DEAD_LETTER, params)
         else:
-            async with self.engine.begin() as own:
-                await own.execute(statement)
+            async with self.database.connect() as own:
+                await own.execute(sql.INSERT_DEAD_LETTER, params)
         return letter_id
 
     async def list(
         self, *, consumer: str | None = None, reason: str | None = None, limit: int = 100
     ) -> list[DeadLetter]:
         """The newest parked deliveries, optionally for one consumer or reason."""
-        query = select(dead_letters).order_by(dead_letters.c.created_at.desc()).limit(limit)
-        if consumer is not None:
-            query = query.where(dead_letters.c.consumer == consumer)
-        if reason is not None:
-            query = query.where(dead_letters.c.reason == reason)
-        async with self.engine.connect() as conn:
-            return [DeadLetter(**row._asdict()) for row in await conn.execute(query)]
+        async with self.database.connect() as ex:
+            rows = await ex.fetch_all(sql.LIST_DEAD_LETTERS, {"consumer": consumer, "reason": reason,
+                                                              "limit": limit})
+        return [DeadLetter(**{**dict(row), "body": bytes(row["body"])}) for row in rows]
 
     async def count(self, *, reason: str | None = None) -> int:
         """How many deliveries are parked (for one reason, when given)."""
-        query = select(func.count()).select_from(dead_letters)
-        if reason is not None:
-            query = query.where(dead_letters.c.reason == reason)
-        async with self.engine.connect() as conn:
-            return int((await conn.execute(query)).scalar_one())
+        async with self.database.connect() as ex:
+            row = await ex.fetch_one(sql.COUNT_DEAD_LETTERS, {"consumer": None, "reason": reason})
+        assert row is not None
+        return int(row["parked"])

@@ -21,19 +21,14 @@ import secrets
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from sqlalchemy import Row, delete, func, select, text, update
-from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
 from consumer_kit.keys import KeyDigester, OperationKey
+from consumer_kit.store import sql
+from consumer_kit.store.executor import Database, Executor, Row, SqlAlchemyExecutor
 from consumer_kit.store.inbox import Clock, utcnow
-from consumer_kit.store.pglane import PgLane
-from consumer_kit.store.tables import UTCDateTime, outbox
-
-if TYPE_CHECKING:
-    import asyncpg
 
 NOTIFY_CHANNEL = "consumer_kit_outbox"
 """PostgreSQL channel notified when outbox rows are written; relays LISTEN on it."""
@@ -60,30 +55,26 @@ class OutboxStats:
 
 def _row(message_id: str, destination: str, body: bytes | str, headers: Mapping[str, str] | None,
          now: datetime, delay: float) -> dict[str, Any]:
-    return dict(
-        id=message_id, destination=destination,
-        body=body.encode("utf-8") if isinstance(body, str) else bytes(body),
-        headers=dict(headers or {}), created_at=now, available_at=now + timedelta(seconds=delay),
-        attempts=0, published_at=None, last_error=None,
-    )
+    return {"id": message_id, "destination": destination,
+            "body": body.encode("utf-8") if isinstance(body, str) else bytes(body),
+            "headers": dict(headers or {}), "created_at": now, "available_at": now + timedelta(seconds=delay)}
 
 
-async def _insert(target: AsyncConnection | AsyncSession, rows: list[dict[str, Any]]) -> None:
-    bind = target.bind if isinstance(target, AsyncSession) else target
-    # Ids derive from the key: a row that exists already came from an attempt of the same work (one
-    # that completed, or one whose lease we hold now). Skip it; the inbox completion decides who wins.
-    insert = postgresql.insert if bind.dialect.name == "postgresql" else sqlite.insert
-    await target.execute(insert(outbox).on_conflict_do_nothing(index_elements=[outbox.c.id]), rows)
-    if bind.dialect.name == "postgresql":
-        # Delivered at commit, and only if the transaction commits.
-        await target.execute(text("SELECT pg_notify(:channel, '')"), {"channel": NOTIFY_CHANNEL})
+async def write(ex: Executor, rows: list[dict[str, Any]]) -> None:
+    """Insert outbox rows in ``ex``'s transaction; on PostgreSQL, wake the relays when it commits.
+
+    Ids derive from the key: a row that exists already came from an attempt of the same work (one
+    that completed, or one whose lease we hold now). It is skipped; the inbox completion decides who
+    wins."""
+    await ex.execute_many(sql.INSERT_OUTBOX, rows)
+    if ex.dialect == "postgresql":
+        await ex.execute(sql.NOTIFY, {"channel": NOTIFY_CHANNEL})  # delivered at commit, if it commits
 
 
 @dataclass(slots=True)
 class OutboxWriter:
     """``ctx.outbox``: stages messages during a handler; the pipeline writes them in its transaction."""
 
-    session: AsyncSession | None
     digester: KeyDigester
     consumer: str
     key: OperationKey
@@ -102,16 +93,11 @@ class OutboxWriter:
         self._rows.append(_row(message_id, destination, body, headers, self.clock(), delay))
         return message_id
 
-    async def flush(self, connection: asyncpg.Connection | None = None) -> None:
-        """Insert the staged rows through the handler's session, or through ``connection`` for a
-        handler registered with ``driver="asyncpg"`` (the pipeline calls this)."""
+    async def flush(self, ex: Executor) -> None:
+        """Insert the staged rows in the delivery's transaction (the pipeline calls this)."""
         if self._rows:
             rows, self._rows = self._rows, []
-            if connection is not None:
-                await PgLane.insert_outbox(connection, rows, NOTIFY_CHANNEL)
-            else:
-                assert self.session is not None, "an asyncpg handler's rows go through its connection"
-                await _insert(self.session, rows)
+            await write(ex, rows)
 
 
 class OutboxBatch:
@@ -131,24 +117,26 @@ class OutboxBatch:
         self.failed[message_id] = (error[:500], retry_in)
 
 
-
 class Outbox:
     """Write, claim, mark and sweep outbox rows; one method per database operation."""
 
-    def __init__(self, engine: AsyncEngine, *, clock: Clock = utcnow) -> None:
-        self.engine = engine
+    def __init__(self, database: Database, *, clock: Clock = utcnow) -> None:
+        self.database = database
         self.clock = clock
 
     async def enqueue(self, session: AsyncSession | AsyncConnection, destination: str, body: bytes | str, *,
                       headers: Mapping[str, str] | None = None, message_id: str | None = None,
                       delay: float = 0.0) -> str:
-        """Insert a message inside the caller's transaction (outside a handler); returns its id.
+        """Insert a message inside the caller's SQLAlchemy transaction (outside a handler); returns its id.
 
         Pass ``message_id`` when the caller has a stable identity for the message (so a repeated
         transaction cannot publish twice under different ids); by default it is random.
         """
         message_id = message_id or secrets.token_hex(16)
-        await _insert(session, [_row(message_id, destination, body, headers, self.clock(), delay)])
+        conn = await session.connection() if isinstance(session, AsyncSession) else session
+        if not conn.in_transaction():
+            raise RuntimeError("Outbox.enqueue runs inside the caller's transaction: begin one first")
+        await write(SqlAlchemyExecutor(conn), [_row(message_id, destination, body, headers, self.clock(), delay)])
         return message_id
 
     @contextlib.asynccontextmanager
@@ -157,96 +145,77 @@ class Outbox:
 
         PostgreSQL: the rows stay locked (``SKIP LOCKED`` for other relays) until the marks commit.
         """
-        now = self.clock()
-        due = (
-            select(outbox.c.id, outbox.c.destination, outbox.c.body, outbox.c.headers, outbox.c.attempts)
-            .where(outbox.c.published_at.is_(None), outbox.c.available_at <= now)
-            .order_by(outbox.c.available_at)
-            .limit(limit)
-        )
-        if self.engine.dialect.name == "postgresql":
-            async with self.engine.begin() as conn:
-                rows = (await conn.execute(due.with_for_update(skip_locked=True))).all()
-                batch = OutboxBatch([_message(row) for row in rows])
+        params = {"now": self.clock(), "limit": limit}
+        if self.database.dialect == "postgresql":
+            async with self.database.transaction() as ex:
+                batch = OutboxBatch([_message(row) for row in await ex.fetch_all(sql.CLAIM_OUTBOX, params)])
                 yield batch
-                await self._record(conn, batch)
+                await self._record(ex, batch)
             return
-        async with self.engine.connect() as conn:
-            rows = (await conn.execute(due)).all()
-        batch = OutboxBatch([_message(row) for row in rows])
+        async with self.database.connect() as ex:
+            batch = OutboxBatch([_message(row) for row in await ex.fetch_all(sql.CLAIM_OUTBOX, params)])
         yield batch
-        async with self.engine.begin() as conn:
-            await self._record(conn, batch)
+        async with self.database.transaction() as ex:
+            await self._record(ex, batch)
 
-    async def _record(self, conn: AsyncConnection, batch: OutboxBatch) -> None:
+    async def _record(self, ex: Executor, batch: OutboxBatch) -> None:
         now = self.clock()
-        if batch.published:
-            await conn.execute(
-                update(outbox).where(outbox.c.id.in_(batch.published))
-                .values(published_at=now, attempts=outbox.c.attempts + 1, last_error=None)
-            )
-        for message_id, (error, retry_in) in batch.failed.items():
-            await conn.execute(
-                update(outbox).where(outbox.c.id == message_id)
-                .values(attempts=outbox.c.attempts + 1, last_error=error,
-                        available_at=now + timedelta(seconds=retry_in))
-            )
+        await ex.execute_many(sql.MARK_PUBLISHED, [{"id": i, "now": now} for i in batch.published])
+        await ex.execute_many(sql.MARK_FAILED, [
+            {"id": i, "last_error": error, "available_at": now + timedelta(seconds=retry_in)}
+            for i, (error, retry_in) in batch.failed.items()])
 
     async def stats(self) -> OutboxStats:
         """How many rows wait to be published, and how old the oldest is."""
-        oldest_created = func.min(outbox.c.created_at, type_=UTCDateTime())
-        query = select(func.count(), oldest_created).where(outbox.c.published_at.is_(None))
-        async with self.engine.connect() as conn:
-            count, oldest = (await conn.execute(query)).one()
+        async with self.database.connect() as ex:
+            row = await ex.fetch_one(sql.OUTBOX_STATS, {})
+        assert row is not None
+        oldest = row["oldest"]
         age = (self.clock() - oldest).total_seconds() if oldest is not None else 0.0
-        return OutboxStats(int(count), max(0.0, age))
+        return OutboxStats(int(row["pending"]), max(0.0, age))
 
     async def get(self, message_id: str) -> dict[str, Any] | None:
         """One row by id (for operators and tests)."""
-        async with self.engine.connect() as conn:
-            row = (await conn.execute(select(outbox).where(outbox.c.id == message_id))).first()
-        return row._asdict() if row is not None else None
+        async with self.database.connect() as ex:
+            row = await ex.fetch_one(sql.GET_OUTBOX, {"id": message_id})
+        return dict(row) if row is not None else None
 
     async def sweep(self, retention_seconds: float, *, batch_size: int = 500) -> int:
         """Delete rows published more than ``retention_seconds`` ago, in short batches."""
         total = 0
         while True:
-            cutoff = self.clock() - timedelta(seconds=retention_seconds)
-            async with self.engine.begin() as conn:
-                ids = select(outbox.c.id).where(outbox.c.published_at <= cutoff).limit(batch_size)
-                if conn.dialect.name == "postgresql":
-                    ids = ids.with_for_update(skip_locked=True)
-                found = list((await conn.execute(ids)).scalars())
-                if found:
-                    await conn.execute(delete(outbox).where(outbox.c.id.in_(found)))
-            total += len(found)
-            if len(found) < batch_size:
+            before = self.clock() - timedelta(seconds=retention_seconds)
+            async with self.database.connect() as ex:
+                deleted = await ex.execute(sql.SWEEP_OUTBOX, {"before": before, "limit": batch_size})
+            total += deleted
+            if deleted < batch_size:
                 return total
 
     @contextlib.asynccontextmanager
     async def listen(self, wake: Callable[[], None]) -> AsyncIterator[bool]:
-        """Call ``wake`` whenever rows are written (PostgreSQL NOTIFY); yields whether it listens.
-
-        On SQLite it yields ``False`` and the relay relies on polling.
-        """
-        if self.engine.dialect.name != "postgresql":
+        """Call ``wake`` whenever rows are written (PostgreSQL NOTIFY, on asyncpg); yields whether it
+        listens. Elsewhere it yields ``False`` and the relay relies on polling."""
+        if not self.database.asyncpg:
             yield False
             return
-        async with self.engine.connect() as conn:
-            raw = (await conn.get_raw_connection()).driver_connection
-            assert raw is not None
 
-            def _notified(*_args: Any) -> None:
-                wake()
+        def notified(*_args: Any) -> None:
+            wake()
 
-            await raw.add_listener(NOTIFY_CHANNEL, _notified)
+        async with self.database.connect() as ex:
+            driver = ex.driver
+            assert driver is not None
+            await driver.add_listener(NOTIFY_CHANNEL, notified)
             try:
                 yield True
             finally:
-                with contextlib.suppress(Exception):
-                    await raw.remove_listener(NOTIFY_CHANNEL, _notified)
+                try:
+                    await driver.remove_listener(NOTIFY_CHANNEL, notified)
+                except BaseException:
+                    ex.discard()  # type: ignore[attr-defined]  # never pool a connection still listening
+                    raise
 
 
-def _message(row: Row[Any]) -> OutboxMessage:
-    return OutboxMessage(id=row.id, destination=row.destination, body=bytes(row.body),
-                         headers=dict(row.headers or {}), attempts=row.attempts)
+def _message(row: Row) -> OutboxMessage:
+    return OutboxMessage(id=row["id"], destination=row["destination"], body=bytes(row["body"]),
+                         headers=dict(row["headers"] or {}), attempts=int(row["attempts"]))

@@ -10,7 +10,6 @@ from collections.abc import AsyncIterator
 from consumer_kit.coordinator.embedded import EmbeddedCoordinator
 from consumer_kit.settings import Settings
 from consumer_kit.store import create_engine, ensure_schema
-from consumer_kit.store.pglane import PgLane
 
 
 def free_port() -> int:
@@ -29,11 +28,9 @@ async def served_coordinator(settings: Settings, tokens: dict[str, tuple[str, st
     from consumer_kit.coordinator.server import create_app
 
     engine = create_engine(settings.database_url, pool_size=settings.db_pool_size)
-    lane: PgLane | None = None
     try:
         await ensure_schema(engine)
-        lane = await PgLane.for_engine(engine, size=settings.db_pool_size)
-        app = create_app(EmbeddedCoordinator(engine, settings, lane=lane), tokens)
+        app = create_app(EmbeddedCoordinator(engine, settings), tokens)
         port = free_port()
         server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
                                                access_log=False, lifespan="on"))
@@ -48,6 +45,4 @@ async def served_coordinator(settings: Settings, tokens: dict[str, tuple[str, st
             server.should_exit = True
             await task
     finally:
-        if lane is not None:
-            await lane.close()
         await engine.dispose()

@@ -18,8 +18,8 @@ from consumer_kit.coordinator import (
     ReceiptLimitExceeded,
     SessionRequest,
 )
-from consumer_kit.coordinator.tables import coordinator_resources, idempotency_receipts
 from consumer_kit.store import create_engine, ensure_schema
+from consumer_kit.store.tables import coordinator_resources, idempotency_receipts
 from tests.conftest import make_settings
 
 KEY = "ticket-queue:v1:m-1-session"
@@ -242,7 +242,7 @@ async def test_striped_cap_is_exact_and_reopens_after_sweep(engine: AsyncEngine,
     """A cap of 64 spreads over 16 stripes of 4: the fast path fills stripes, the exact path takes
     over when one is full, the 65th creation is refused, and after the receipts expire and the
     sweeper runs the scope takes creations again."""
-    from consumer_kit.coordinator.tables import idempotency_scopes
+    from consumer_kit.store.tables import idempotency_scopes
 
     clock = Clock()
     settings = make_settings(database_url, idempotency_max_receipts_per_scope=64, idempotency_retention_seconds=60)

@@ -20,9 +20,9 @@ from consumer_kit.coordinator import (
     IdempotencyKeyConflict,
     SessionRequest,
 )
-from consumer_kit.coordinator.tables import coordinator_resources
 from consumer_kit.retry import RetryPolicy
 from consumer_kit.store import create_engine
+from consumer_kit.store.tables import coordinator_resources
 from consumer_kit.testing.server import served_coordinator
 from tests.conftest import make_settings
 

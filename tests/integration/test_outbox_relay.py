@@ -11,7 +11,7 @@ import pytest
 
 from consumer_kit import ConsumerApp
 from consumer_kit.relay import OutboxRelay
-from consumer_kit.store import Outbox, OutboxMessage
+from consumer_kit.store import OutboxMessage
 from sources.rabbitmq import AmqpPublisher
 from tests.conftest import make_settings
 from tests.integration.rabbit import AMQP_URL, TcpProxy, declare, delete_queues, depth, drain, wait_until
@@ -49,7 +49,7 @@ async def test_two_relays_publish_every_row_once(app: ConsumerApp, queue: str) -
     ids = await enqueue(app, queue, 600)
     stop = asyncio.Event()
     publishers = [AmqpPublisher(AMQP_URL), AmqpPublisher(AMQP_URL)]
-    relays = [OutboxRelay(Outbox(app.engine), p, app.settings) for p in publishers]
+    relays = [OutboxRelay(app.outbox, p, app.settings) for p in publishers]
     tasks = [await run_relay(r, stop) for r in relays]
 
     async def all_out() -> bool:

@@ -6,7 +6,7 @@ import asyncio
 from collections.abc import Awaitable, Callable
 
 import pytest
-from sqlalchemy import func, select
+from sqlalchemy import func, select, text
 
 from consumer_kit import ConfigurationError, ConsumerApp, Context, Outcome, Settlement, TerminalError
 from consumer_kit.store import outbox
@@ -165,19 +165,30 @@ async def test_late_completion_after_takeover_rolls_back(pg_database: str) -> No
         assert await counts(app1) == (1, 1)
 
 
-async def test_ctx_db_says_to_use_the_connection(pg_database: str) -> None:
-    app = ConsumerApp(make_settings(pg_database))
+@pytest.mark.parametrize("single", [False, True], ids=["two-txn", "one-txn"])
+async def test_ctx_db_and_ctx_connection_are_one_transaction(pg_database: str, single: bool) -> None:
+    """On the asyncpg driver a handler may write through both ``ctx.db`` (SQLAlchemy) and
+    ``ctx.connection`` (asyncpg): one connection, one transaction, committed or rolled back together."""
+    app = ConsumerApp(make_settings(pg_database, retry_attempts=1))
     source = InMemorySource(namespace="raw", version=1)
 
-    @app.handler(source, driver="asyncpg")
+    @app.handler(source, single_transaction=single, name="both")
     async def handle(ctx: Context) -> None:
-        await ctx.db.execute("SELECT 1")
+        ticket = ctx.delivery.json()["key"]
+        await ctx.connection.execute("INSERT INTO raw_effects (ticket) VALUES ($1)", f"{ticket}-asyncpg")
+        await ctx.db.execute(text("INSERT INTO raw_effects (ticket) VALUES (:t)"), {"t": f"{ticket}-orm"})
+        await ctx.db.commit()  # a handler's own commit does not end the delivery's transaction
+        if ctx.delivery.json().get("fail"):
+            raise TerminalError("after both writes", reason="poison")
 
     async with app.running():
-        result = await source.deliver(id="raw-0005", body=b"{}")
-        assert (result.outcome, result.reason) == (Outcome.DEAD_LETTERED, "handler_misconfigured")
-        [parked] = await app.dead_letters.list()
-        assert "driver='asyncpg'" in (parked.detail or "")
+        await prepare(app)
+        failed = await source.deliver(id="both-1", body=b'{"key": "F", "fail": true}')
+        assert failed.outcome is Outcome.DEAD_LETTERED
+        assert (await source.deliver(id="both-2", body=b'{"key": "K"}')).outcome is Outcome.PROCESSED
+        async with app.engine.connect() as conn:
+            tickets = sorted((await conn.exec_driver_sql("SELECT ticket FROM raw_effects")).scalars())
+    assert tickets == ["K-asyncpg", "K-orm"]
 
 
 async def test_sqlite_refuses_asyncpg_handlers(sqlite_url: str) -> None:

@@ -27,7 +27,7 @@ from consumer_kit.coordinator import (
     SessionReceipt,
     SessionRequest,
 )
-from consumer_kit.coordinator.store import STRIPES
+from consumer_kit.store.receipts import STRIPES
 from consumer_kit.testing import InMemorySource, RecipeHarness
 from consumer_kit.testing.server import served_coordinator
 from tests.conftest import make_settings
@@ -147,8 +147,9 @@ async def test_session_rides_on_the_claim_and_ends_with_the_completion(pg_databa
         assert await status(sessions[0].session_id) == "ended"
 
         held = Delivery(id="m-1", body=b"{}")
-        lease = await app.inbox.claim("riding", app.pipeline.digester.candidates(source.key(held)),
-                                      held.fingerprint(), namespace="ticket-queue", version=1)
+        async with app.database.connect() as ex:
+            lease = await app.inbox.claim(ex, "riding", app.pipeline.digester.candidates(source.key(held)),
+                                          held.fingerprint(), namespace="ticket-queue", version=1)
         assert lease.acquired
         before = await receipts()
         assert (await source.deliver_delivery(held)).outcome is Outcome.IN_PROGRESS

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -11,9 +12,19 @@ from alembic.runtime.migration import MigrationContext
 from sqlalchemy import Connection, func, select, text
 
 from consumer_kit import ConsumerApp, Context, Outcome, SchemaOutOfDate
-from consumer_kit.store import ClaimStatus, Inbox, create_engine, ensure_schema, inbox, metadata, upgrade
+from consumer_kit.store import (
+    Claim,
+    ClaimStatus,
+    Database,
+    Inbox,
+    create_engine,
+    ensure_schema,
+    inbox,
+    metadata,
+    upgrade,
+)
 from consumer_kit.store.database import VERSION_TABLE
-from consumer_kit.store.pglane import PgLane, Rider
+from consumer_kit.store.receipts import Creation, ReceiptStore, Scope
 from consumer_kit.testing import InMemorySource
 from tests.conftest import TEST_HMAC_KEY, make_settings, run_in_thread
 
@@ -26,37 +37,48 @@ class Clock:
         return self.now
 
 
-async def test_sweeper_deletes_expired_rows_in_batches(database_url: str) -> None:
+@pytest.fixture
+async def database(database_url: str) -> AsyncIterator[Database]:
+    """The store's database on each executor: SQLite, PostgreSQL on asyncpg and on psycopg."""
     engine = create_engine(database_url)
     await ensure_schema(engine)
-    clock = Clock()
-    store = Inbox(engine, lease_seconds=30, retention_seconds=3600, clock=clock)
     try:
-        for i in range(25):  # completed an hour and more ago: expired
-            claim = await store.claim("c", [f"old{i:04d}".ljust(64, "0")], "fp", namespace="ns", version=1)
-            async with engine.begin() as conn:
-                assert claim.lease_token is not None
-                assert await store.complete(conn, "c", claim.digest, claim.lease_token, outcome="processed")
-        clock.now += timedelta(minutes=30)
-        for i in range(5):  # completed half an hour later: still live when the sweep runs
-            claim = await store.claim("c", [f"new{i:04d}".ljust(64, "0")], "fp", namespace="ns", version=1)
-            async with engine.begin() as conn:
-                assert claim.lease_token is not None
-                assert await store.complete(conn, "c", claim.digest, claim.lease_token, outcome="processed")
-        clock.now += timedelta(minutes=40)  # first 25 expired (70 min old), last 5 not (40 min old)
-        # A started row with a live lease is kept whatever its expiry.
-        held = await store.claim("c", ["held".ljust(64, "0")], "fp", namespace="ns", version=1)
-        async with engine.begin() as conn:
-            await conn.execute(inbox.update().where(inbox.c.key_digest == held.digest)
-                               .values(expires_at=clock.now - timedelta(days=1)))
-
-        assert await store.sweep(batch_size=10, max_batches=1) == 10
-        assert await store.sweep(batch_size=10) == 15
-        async with engine.connect() as conn:
-            left = sorted(r[0][:4] for r in await conn.execute(select(inbox.c.key_digest)))
-        assert left == ["held"] + ["new0"] * 5
+        yield Database(engine)
     finally:
         await engine.dispose()
+
+
+async def claim(database: Database, store: Inbox, name: str, **kw: object) -> Claim:
+    async with database.connect() as ex:
+        return await store.claim(ex, "c", [name.ljust(64, "0")], "fp", namespace="ns", version=1, **kw)  # type: ignore[arg-type]
+
+
+async def complete(database: Database, store: Inbox, found: Claim, token: str | None = None, **kw: object) -> bool:
+    async with database.transaction() as ex:
+        return await store.complete(ex, "c", found.digest, token or found.lease_token or "", outcome="processed",
+                                    **kw)  # type: ignore[arg-type]
+
+
+async def test_sweeper_deletes_expired_rows_in_batches(database: Database) -> None:
+    clock = Clock()
+    store = Inbox(database, lease_seconds=30, retention_seconds=3600, clock=clock)
+    for i in range(25):  # completed an hour and more ago: expired
+        assert await complete(database, store, await claim(database, store, f"old{i:04d}"))
+    clock.now += timedelta(minutes=30)
+    for i in range(5):  # completed half an hour later: still live when the sweep runs
+        assert await complete(database, store, await claim(database, store, f"new{i:04d}"))
+    clock.now += timedelta(minutes=40)  # first 25 expired (70 min old), last 5 not (40 min old)
+    # A started row with a live lease is kept whatever its expiry.
+    held = await claim(database, store, "held")
+    async with database.engine.begin() as conn:
+        await conn.execute(inbox.update().where(inbox.c.key_digest == held.digest)
+                           .values(expires_at=clock.now - timedelta(days=1)))
+
+    assert await store.sweep(batch_size=10, max_batches=1) == 10
+    assert await store.sweep(batch_size=10) == 15
+    async with database.engine.connect() as conn:
+        left = sorted(r[0][:4] for r in await conn.execute(select(inbox.c.key_digest)))
+    assert left == ["held"] + ["new0"] * 5
 
 
 async def test_rows_written_before_an_hmac_rotation_are_still_found(database_url: str) -> None:
@@ -88,88 +110,141 @@ async def test_rows_written_before_an_hmac_rotation_are_still_found(database_url
     assert len(runs) == 2
 
 
-async def test_many_concurrent_claims_one_winner(database_url: str) -> None:
-    engine = create_engine(database_url)
-    await ensure_schema(engine)
-    stores = [Inbox(engine, lease_seconds=30, retention_seconds=3600) for _ in range(2)]
-    try:
-        claims = await asyncio.gather(*(
-            stores[i % 2].claim("c", ["race".ljust(64, "0")], "fp", namespace="ns", version=1) for i in range(20)
-        ))
-        statuses = [c.status for c in claims]
-        assert statuses.count(ClaimStatus.ACQUIRED) == 1
-        assert statuses.count(ClaimStatus.IN_PROGRESS) == 19
-    finally:
-        await engine.dispose()
+async def test_many_concurrent_claims_one_winner(database: Database) -> None:
+    stores = [Inbox(database, lease_seconds=30, retention_seconds=3600) for _ in range(2)]
+    claims = await asyncio.gather(*(claim(database, stores[i % 2], "race") for i in range(20)))
+    statuses = [c.status for c in claims]
+    assert statuses.count(ClaimStatus.ACQUIRED) == 1
+    assert statuses.count(ClaimStatus.IN_PROGRESS) == 19
+
+
+async def test_the_claim_and_completion_answer_every_state(database: Database) -> None:
+    """One store, every verdict: new, held, taken over after its lease, lost lease, done, conflict,
+    parked; and the single-transaction claim of a new, a done and a failed key."""
+    clock = Clock()
+    store = Inbox(database, lease_seconds=30, retention_seconds=3600, clock=clock)
+    first = await claim(database, store, "k1")
+    assert first.acquired and first.attempts == 1
+    assert (await claim(database, store, "k1")).status is ClaimStatus.IN_PROGRESS
+    clock.now += timedelta(seconds=31)  # the holder crashed: its lease runs out
+    second = await claim(database, store, "k1")
+    assert second.acquired and second.attempts == 2
+    assert not await complete(database, store, first)  # the old holder's completion: lease lost
+    assert await complete(database, store, second)
+    assert (await claim(database, store, "k1")).status is ClaimStatus.COMPLETED
+    async with database.connect() as ex:
+        other = await store.claim(ex, "c", ["k1".ljust(64, "0")], "other", namespace="ns", version=1)
+        assert other.status is ClaimStatus.CONFLICT
+        parked = await store.claim(ex, "c", ["k2".ljust(64, "0")], "fp", namespace="ns", version=1)
+        assert await store.mark_dead(ex, "c", parked.digest, parked.lease_token, reason="poison")
+        assert (await claim(database, store, "k2")).status is ClaimStatus.DEAD
+        # Single transaction: a new key is written completed; a failed attempt is counted, then finished.
+        assert await store.record_failure(ex, "c", ["k3".ljust(64, "0")], "fp", namespace="ns", version=1,
+                                          error="boom") == 1
+    async with database.transaction() as ex:
+        done = await store.claim_completed(ex, "c", ["k3".ljust(64, "0")], "fp", namespace="ns", version=1,
+                                           outcome="processed")
+        assert done.acquired and done.attempts == 2
+        fresh = await store.claim_completed(ex, "c", ["k4".ljust(64, "0")], "fp", namespace="ns", version=1,
+                                            outcome="processed")
+        assert fresh.acquired and fresh.attempts == 1
+    async with database.transaction() as ex:
+        again = await store.claim_completed(ex, "c", ["k4".ljust(64, "0")], "fp", namespace="ns", version=1,
+                                            outcome="processed")
+        assert again.status is ClaimStatus.COMPLETED
+
+
+async def test_a_transaction_rolls_back_on_error_and_on_cancellation(database: Database) -> None:
+    """Both executors: a raise inside ``begin()`` rolls back, a cancellation too, and the connection
+    goes back to the pool usable."""
+    store = Inbox(database, lease_seconds=30, retention_seconds=3600)
+    with pytest.raises(RuntimeError):
+        async with database.transaction() as ex:
+            await store.claim_completed(ex, "c", ["rb1".ljust(64, "0")], "fp", namespace="ns", version=1,
+                                        outcome="processed")
+            raise RuntimeError("handler failed")
+
+    entered = asyncio.Event()
+
+    async def hang() -> None:
+        async with database.transaction() as ex:
+            await store.claim_completed(ex, "c", ["rb2".ljust(64, "0")], "fp", namespace="ns", version=1,
+                                        outcome="processed")
+            entered.set()
+            await asyncio.sleep(60)
+
+    task = asyncio.create_task(hang())
+    await entered.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    async with database.connect() as ex:
+        for name in ("rb1", "rb2"):
+            assert await store.lookup(ex, "c", [name.ljust(64, "0")]) is None
 
 
 @pytest.mark.postgres
-async def test_a_rider_commits_with_the_claim_and_the_completion_only(pg_database: str) -> None:
-    """A Rider's writes share the inbox statement: made when the claim takes the lease, skipped
-    when it does not, and rolled back with a completion whose lease was lost."""
+async def test_a_session_rides_on_the_claim_and_the_completion_only(pg_database: str) -> None:
+    """The coordinator's creation commits in the claim's statement when the claim takes the lease,
+    and not at all when it does not; its ending rolls back with a completion whose lease was lost."""
     engine = create_engine(pg_database)
     await ensure_schema(engine)
-    lane = await PgLane.for_engine(engine, size=2)
-    assert lane is not None
-    store = Inbox(engine, lease_seconds=30, retention_seconds=3600, lane=lane)
+    database = Database(engine)
+    store = Inbox(database, lease_seconds=30, retention_seconds=3600)
+    receipts = ReceiptStore(database, clock=datetime.now)  # type: ignore[arg-type]
+    scope = Scope("t", "a", "session")
 
-    def marking(value: str) -> Rider:
-        return Rider("marks AS (INSERT INTO rider_marks (v) SELECT $1 WHERE EXISTS (SELECT 1 FROM anchor)"
-                     " RETURNING 1)", "(SELECT count(*) FROM marks) AS marked", "(SELECT 1) AS one", (value,))
+    def creation(digest: str) -> Creation:
+        return receipts.prepare(scope, digest.encode().hex().ljust(64, "0"), "request-fp", kind="session",
+                                ttl=timedelta(hours=1), retention=timedelta(days=1), generated=False, cap=1600)
 
-    async def marks() -> list[str]:
+    async def resources(status: str) -> int:
         async with engine.connect() as conn:
-            return list((await conn.execute(text("SELECT v FROM rider_marks ORDER BY v"))).scalars())
+            return int((await conn.execute(text(
+                "SELECT count(*) FROM coordinator_resources WHERE status = :s"), {"s": status})).scalar_one())
 
     try:
-        async with engine.begin() as conn:
-            await conn.execute(text("CREATE TABLE rider_marks (v text NOT NULL)"))
-        digest = "rider".ljust(64, "0")
-        first = marking("claimed")
-        claim = await store.claim("c", [digest], "fp", namespace="ns", version=1, rider=first)
-        assert claim.acquired and first.row is not None and first.row["marked"] == 1
-        second = marking("not ours")
-        busy = await store.claim("c", [digest], "fp", namespace="ns", version=1, rider=second)
-        assert busy.status is ClaimStatus.IN_PROGRESS
-        assert second.row is not None and second.row["marked"] == 0
-        assert await marks() == ["claimed"]
+        await receipts.open_scope(scope)
+        first = creation("s1")
+        won = await claim(database, store, "ride", creation=first)
+        assert won.acquired and won.carried is not None and won.carried["created"] == 1
+        lost = await claim(database, store, "ride", creation=creation("s2"))
+        assert lost.status is ClaimStatus.IN_PROGRESS
+        assert await resources("active") == 1  # no lease, no session
 
-        assert claim.lease_token is not None
-        lost = marking("lost")
-        async with engine.connect() as conn:
-            transaction = await conn.begin()
-            assert not await store.complete(conn, "c", digest, "not-the-token", outcome="processed", rider=lost)
-            assert lost.row is not None and lost.row["anchor_rows"] == 0
-            await transaction.rollback()  # what the pipeline does on LeaseLost
-        done = marking("done")
-        async with engine.begin() as conn:
-            assert await store.complete(conn, "c", digest, claim.lease_token, outcome="processed", rider=done)
-        assert await marks() == ["claimed", "done"]
+        with pytest.raises(LookupError):
+            async with database.transaction() as ex:
+                ending = receipts.ending("t", "a", first.resource_id)
+                assert not await store.complete(ex, "c", won.digest, "not-the-token", outcome="processed",
+                                                ending=ending)
+                assert ending.ended is False
+                raise LookupError("what the pipeline does on LeaseLost: roll back")
+        assert await resources("active") == 1
+        ending = receipts.ending("t", "a", first.resource_id)
+        assert await complete(database, store, won, ending=ending)
+        assert ending.ended is True
+        assert (await resources("active"), await resources("ended")) == (0, 1)
     finally:
-        await lane.close()
         await engine.dispose()
 
 
 @pytest.mark.postgres
 async def test_completion_keeps_a_recent_expiry_and_renews_an_old_one(pg_database: str) -> None:
-    """On the lane the completion leaves the claim's expiry alone when it is within a lease of the
-    completion's own (so the row is updated in place, without index entries), else renews it."""
+    """The completion leaves the claim's expiry alone when it is within a lease of the completion's
+    own (so PostgreSQL updates the row in place, without index entries), else renews it."""
     engine = create_engine(pg_database)
     await ensure_schema(engine)
-    lane = await PgLane.for_engine(engine, size=2)
-    assert lane is not None
+    database = Database(engine)
     clock = Clock()
-    store = Inbox(engine, lease_seconds=30, retention_seconds=3600, clock=clock, lane=lane)
+    store = Inbox(database, lease_seconds=30, retention_seconds=3600, clock=clock)
 
     async def complete_after(name: str, seconds: float) -> datetime:
-        digest = name.ljust(64, "0")
-        claim = await store.claim("c", [digest], "fp", namespace="ns", version=1)
-        assert claim.lease_token is not None
+        found = await claim(database, store, name)
         clock.now += timedelta(seconds=seconds)
-        async with engine.begin() as conn:
-            assert await store.complete(conn, "c", digest, claim.lease_token, outcome="processed")
+        assert await complete(database, store, found)
+        async with engine.connect() as conn:
             expires: datetime = (await conn.execute(
-                select(inbox.c.expires_at).where(inbox.c.key_digest == digest))).scalar_one()
+                select(inbox.c.expires_at).where(inbox.c.key_digest == found.digest))).scalar_one()
         return expires
 
     try:
@@ -178,7 +253,6 @@ async def test_completion_keeps_a_recent_expiry_and_renews_an_old_one(pg_databas
         completed_at = clock.now + timedelta(seconds=90)
         assert await complete_after("slow", 90) == completed_at + timedelta(seconds=3600)
     finally:
-        await lane.close()
         await engine.dispose()
 
 

@@ -1,0 +1,119 @@
+"""The per-delivery algorithm (DESIGN.md), source-agnostic.
+
+::
+
+    key   = source.key(delivery)            no stable id / invalid key -> park, INVALID
+    claim = inbox.claim(consumer, key, fp)  txn 1, committed at once (seed 003)
+      completed   -> ACK, DUPLICATE         live lease -> RETRY_LATER, IN_PROGRESS
+      conflict    -> park, CONFLICT         new / expired lease -> we hold the lease
+    handler(ctx)  in txn 2, which also completes the inbox row WHERE lease_token = ours
+      lease lost  -> roll back, LEASE_LOST  raised -> see fate
+    ACK, PROCESSED
+
+Who calls whom::
+
+    Pipeline.process ──> LeasedPath (leased.py) ──┐
+         │          └──> SinglePath (single.py) ──┼──> Fate (fate.py): every failure -> its settlement,
+         │                                        │    the one retry loop, parking
+         └── park INVALID                         └──> run_handler (work.py) -> the handler, in the
+                                                       delivery's transaction
+    all of them ──> store: Inbox, DeadLetters, Outbox (on one Executor per delivery)
+
+A delivery that cannot be keyed is parked here; everything else is one path's business.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+
+from consumer_kit import metrics
+from consumer_kit.coordinator.protocol import Coordinator, SessionsInTransaction
+from consumer_kit.delivery import Delivery, Outcome, Result, Settlement
+from consumer_kit.errors import InvalidKey, MissingStableId
+from consumer_kit.keys import KeyDigester
+from consumer_kit.pipeline.fate import Fate
+from consumer_kit.pipeline.leased import LeasedPath
+from consumer_kit.pipeline.single import SinglePath
+from consumer_kit.pipeline.work import (
+    Handler,
+    HandlerSpec,
+    Stores,
+    Work,
+    describe,
+    format_exception,
+    log,
+    redact,
+    session_request,
+)
+from consumer_kit.settings import Settings
+from consumer_kit.store import DeadLetters, Inbox
+from consumer_kit.store.executor import Database
+
+__all__ = ["Handler", "HandlerSpec", "Pipeline", "format_exception", "redact", "session_request"]
+
+
+class Pipeline:
+    """Runs deliveries through claim, handler and completion; returns the settlement to carry out."""
+
+    def __init__(
+        self,
+        *,
+        settings: Settings,
+        database: Database,
+        inbox: Inbox,
+        dead_letters: DeadLetters,
+        digester: KeyDigester,
+        http: httpx.AsyncClient | None = None,
+        coordinator: Coordinator | None = None,
+    ) -> None:
+        self.settings = settings
+        self.database = database
+        self.inbox = inbox
+        self.dead_letters = dead_letters
+        self.digester = digester
+        self.coordinator = coordinator
+        self.stores = Stores(settings, database, inbox, dead_letters, digester, http)
+        self.fate = Fate(self.stores)
+        # Asked once: can the coordinator keep a delivery's session inside the delivery's transaction?
+        step = coordinator.session_step(database) if isinstance(coordinator, SessionsInTransaction) else None
+        self.leased = LeasedPath(self.stores, self.fate, coordinator, step)
+        self.single = SinglePath(self.stores, self.fate)
+        self._metrics: dict[str, metrics.SourceMetrics] = {}
+
+    async def process(self, spec: HandlerSpec, delivery: Delivery) -> Result:
+        """Decide one delivery's fate; never raises except on cancellation."""
+        source = spec.source.name
+        counters = self._metrics.get(source)
+        if counters is None:
+            counters = self._metrics[source] = metrics.SourceMetrics(source)
+        counters.in_flight += 1
+        started = asyncio.get_running_loop().time()
+        try:
+            result = await self._process(spec, delivery)
+        except asyncio.CancelledError:
+            counters.delivered("cancelled")
+            raise
+        except Exception as exc:  # the store failed: nothing was decided, so try the delivery again
+            log.error("delivery failed before settlement (%s); retrying later", describe(exc, None),
+                      extra={"source": source})
+            result = Result(Outcome.RETRY, Settlement.RETRY_LATER, "store_error",
+                            delay=self.settings.retry_later_seconds)
+        finally:
+            counters.in_flight -= 1
+        if result.outcome is Outcome.PROCESSED:
+            counters.handler_seconds.observe(asyncio.get_running_loop().time() - started)
+        counters.delivered(result.outcome.value)
+        return result
+
+    async def _process(self, spec: HandlerSpec, delivery: Delivery) -> Result:
+        try:
+            key = spec.source.key(delivery)
+        except (MissingStableId, InvalidKey) as exc:
+            await self.fate.park(spec, delivery, None, exc.reason, str(exc), attempts=delivery.attempt)
+            return Result(Outcome.INVALID, Settlement.DEAD_LETTER, exc.reason)
+        work = Work(spec, delivery, key, self.digester.candidates(key), delivery.fingerprint())
+        if spec.single_transaction:
+            return await self.single.run(work)
+        return await self.leased.run(work)

@@ -1,0 +1,141 @@
+"""Fate: the one place where what happened to a delivery becomes what its source must do.
+
+- a claim that did not take the key: done before -> ACK (duplicate); parked before -> ACK; another
+  request under the key -> park "conflict"; held elsewhere -> RETRY_LATER when the lease runs out;
+- the handler's attempts, in ONE retry loop: ``TerminalError`` parks at once; ``RetryableError(delay=)``
+  hands the delivery back to the source after ``delay``; anything else is tried again in process
+  (jittered exponential backoff, ``RETRY_ATTEMPTS`` in all), then handed back; once a key has been
+  delivered ``MAX_DELIVERIES`` times it is parked "retries_exhausted";
+- a lost lease (another attempt took over) -> RETRY_LATER, this attempt's writes rolled back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+from consumer_kit import metrics
+from consumer_kit.delivery import Delivery, Outcome, Result, Settlement
+from consumer_kit.errors import LeaseLost, RetryableError, TerminalError
+from consumer_kit.pipeline.work import HandlerSpec, Stores, Work, describe, log
+from consumer_kit.store import Claim, ClaimStatus
+from consumer_kit.store.executor import Executor
+
+T = TypeVar("T")
+
+
+class NotAcquired(Exception):
+    """The single-transaction claim found the key taken (done, parked, held or another request)."""
+
+    def __init__(self, claim: Claim) -> None:
+        self.claim = claim
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    """The retry loop's answer when every attempt it may make has failed."""
+
+    error: Exception
+
+
+class Fate:
+    """Maps outcomes to settlements (see the module docstring)."""
+
+    def __init__(self, stores: Stores) -> None:
+        self.stores = stores
+        self.settings = stores.settings
+
+    async def attempts(self, work: Work, ex: Executor, attempt: Callable[[], Awaitable[T]]) -> T | Failed:
+        """The retry loop: ``attempt()`` on ``ex`` until it succeeds, or the failure that ends the loop
+        (a connection lost on the way ends it too: the delivery goes back to its source)."""
+        settings = self.settings
+        for number in range(1, settings.retry_attempts + 1):
+            try:
+                return await attempt()
+            except (LeaseLost, NotAcquired, TerminalError) as exc:
+                return Failed(exc)
+            except Exception as exc:
+                if (isinstance(exc, RetryableError) and exc.delay is not None) or number == settings.retry_attempts \
+                        or ex.discarded:
+                    return Failed(exc)
+                work.log(logging.INFO, f"handler failed, attempt {number}; retrying in process "
+                         f"({describe(exc, work.key)})")
+                await asyncio.sleep(self._backoff(number))
+        raise AssertionError("unreachable")
+
+    async def failed(self, work: Work, exc: Exception,
+                     give_back: Callable[[str], Awaitable[object]] | None = None) -> Result:
+        """The settlement of a delivery whose attempts ended in ``exc``. ``give_back`` releases what the
+        attempt held (the lease) before the delivery is handed back to its source."""
+        if isinstance(exc, NotAcquired):
+            return await self.not_acquired(work, exc.claim)
+        if isinstance(exc, LeaseLost):
+            work.log(logging.WARNING, "lease lost to another attempt; writes rolled back")
+            return Result(Outcome.LEASE_LOST, Settlement.RETRY_LATER, "lease_lost",
+                          delay=self.settings.retry_later_seconds, key_digest=work.digest)
+        detail = describe(exc, work.key)
+        if isinstance(exc, TerminalError):
+            return await self.dead(work, exc.reason, detail)
+        limit = work.spec.max_deliveries or self.settings.max_deliveries
+        if work.attempts >= limit:
+            return await self.dead(work, "retries_exhausted", detail)
+        if give_back is not None:
+            await give_back(detail)
+        work.log(logging.WARNING, f"handler failed; delivery {work.attempts} of {limit} will be retried ({detail})")
+        delay = exc.delay if isinstance(exc, RetryableError) and exc.delay is not None else None
+        return Result(Outcome.RETRY, Settlement.RETRY_LATER, "handler_failed",
+                      delay=self.settings.retry_later_seconds if delay is None else delay, key_digest=work.digest)
+
+    async def not_acquired(self, work: Work, claim: Claim) -> Result:
+        """The settlement of a delivery whose claim found the key taken."""
+        work.claim = claim
+        if claim.status is ClaimStatus.COMPLETED:
+            work.log(logging.DEBUG, "duplicate delivery acknowledged")
+            return Result(Outcome.DUPLICATE, Settlement.ACK, key_digest=work.digest)
+        if claim.status is ClaimStatus.DEAD:
+            work.log(logging.INFO, "delivery of a parked key acknowledged")
+            return Result(Outcome.DUPLICATE, Settlement.ACK, "already_dead_lettered", key_digest=work.digest)
+        if claim.status is ClaimStatus.CONFLICT:
+            work.log(logging.WARNING, "same key, different request: parked as conflict")
+            await self.park(work.spec, work.delivery, claim.digest, "conflict",
+                            "the key was first used with a different request", attempts=work.delivery.attempt)
+            return Result(Outcome.CONFLICT, Settlement.DEAD_LETTER, "conflict", key_digest=work.digest)
+        work.log(logging.DEBUG, "delivery in progress elsewhere")
+        delay = self.settings.retry_later_seconds
+        if claim.locked_until is not None:
+            delay = max(0.0, (claim.locked_until - self.stores.inbox.clock()).total_seconds())
+        return Result(Outcome.IN_PROGRESS, Settlement.RETRY_LATER, "in_progress", delay=delay,
+                      key_digest=work.digest)
+
+    async def dead(self, work: Work, reason: str, detail: str, outcome: Outcome = Outcome.DEAD_LETTERED) -> Result:
+        """Park the delivery and its key, in one transaction."""
+        claim = work.claim
+        assert claim is not None
+        stores = self.stores
+        async with stores.database.transaction() as ex:
+            await stores.inbox.mark_dead(ex, work.spec.consumer, claim.digest, claim.lease_token, reason=reason)
+            await self.park(work.spec, work.delivery, claim.digest, reason, detail, attempts=work.attempts, ex=ex)
+        work.log(logging.WARNING, f"delivery parked: {reason} ({detail})")
+        return Result(outcome, Settlement.DEAD_LETTER, reason, key_digest=work.digest)
+
+    async def park(self, spec: HandlerSpec, delivery: Delivery, digest: str | None, reason: str, detail: str,
+                   *, attempts: int, ex: Executor | None = None) -> None:
+        """Keep the delivery (raw body, headers, reason) for an operator; never drop it."""
+        await self.stores.dead_letters.park(
+            ex, consumer=spec.consumer, source=spec.source.name, namespace=spec.source.namespace,
+            version=spec.source.version, key_digest=digest, reason=reason, detail=detail,
+            body=delivery.body, headers=delivery.headers, attempts=attempts,
+        )
+        metrics.DEAD_LETTERS.labels(spec.source.name, reason).inc()
+        if digest is None:
+            log.warning("delivery parked: %s (%s)", reason, detail,
+                        extra={"namespace": spec.source.namespace, "source": spec.source.name})
+
+    def _backoff(self, attempt: int) -> float:
+        base = self.settings.retry_backoff_seconds * 2 ** (attempt - 1)
+        # Full jitter (AWS architecture blog): spreads retries of many consumers apart.
+        return random.uniform(0, min(self.settings.retry_backoff_max_seconds, base))

@@ -1,0 +1,223 @@
+"""The two-transaction path (seed 003), the default: safe for handlers that call out.
+
+::
+
+    claim  (its own statement, committed at once)    -> not ours: see Fate.not_acquired
+    session = coordinator step, under key.derive("session")    (handlers with labels or task)
+    BEGIN; handler; outbox rows; complete WHERE lease_token = ours; COMMIT
+                                                      -> 0 rows: LeaseLost, everything rolls back
+    ACK
+
+The delivery holds one connection from its claim to its commit (one pool checkout), and a lease in
+the inbox row that a heartbeat renews while the handler runs. A delivery cancelled halfway (a broker
+reconnect, the shutdown grace, a client that hung up) rolls its transaction back and gives its lease
+back on a fresh connection, so that the redelivery need not wait the lease out.
+
+A coordinator whose sessions live in the inbox's database (:class:`SessionStep`) creates the session in
+the claim's statement and ends it in the completion's: the session ends if and only if the effect
+commits. Any other coordinator is called after the claim, and told after the commit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+
+from pydantic import ValidationError
+
+from consumer_kit import metrics
+from consumer_kit.coordinator.protocol import (
+    Coordinator,
+    SessionReceipt,
+    SessionRequest,
+    SessionStep,
+)
+from consumer_kit.coordinator.protocol import fingerprint as request_digest
+from consumer_kit.delivery import Outcome, Result, Settlement
+from consumer_kit.errors import IdempotencyKeyConflict, IdempotencyResultInactive, LeaseLost, TerminalError
+from consumer_kit.pipeline.fate import Failed, Fate
+from consumer_kit.pipeline.work import (
+    HandlerSpec,
+    Stores,
+    Work,
+    describe,
+    redact,
+    run_handler,
+    session_request,
+    usable,
+)
+from consumer_kit.store.executor import Executor
+from consumer_kit.store.receipts import Creation
+
+
+class LeasedPath:
+    """Runs deliveries of handlers without ``single_transaction``."""
+
+    def __init__(self, stores: Stores, fate: Fate, coordinator: Coordinator | None,
+                 step: SessionStep | None) -> None:
+        self.stores = stores
+        self.fate = fate
+        self.coordinator = coordinator
+        self.step = step
+        self._requests: dict[str, tuple[HandlerSpec, SessionRequest, str]] = {}
+
+    async def run(self, work: Work) -> Result:
+        """Claim, open the session, run the handler's attempts and settle."""
+        stores = self.stores
+        try:
+            async with stores.database.connect() as ex:
+                return await self._run(ex, work)
+        except asyncio.CancelledError:
+            claim = work.claim
+            if claim is not None and claim.lease_token is not None:
+                # Shielded: a second cancellation must not keep the lease from being given back.
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(self._release(work, "cancelled"))
+            raise
+
+    async def _run(self, ex: Executor, work: Work) -> Result:
+        spec, stores = work.spec, self.stores
+        creation, invalid = self._prepare_session(work)
+        claim = await stores.inbox.claim(ex, spec.consumer, work.digests, work.fingerprint,
+                                         namespace=work.key.namespace, version=work.key.version,
+                                         creation=creation)
+        if not claim.acquired:
+            return await self.fate.not_acquired(work, claim)
+        work.claim = claim
+        if claim.attempts > 1:
+            metrics.LEASE_TAKEOVERS.labels(spec.source.name).inc()
+        assert claim.lease_token is not None
+        token = claim.lease_token
+        heartbeat = _Heartbeat(stores.settings.heartbeat_seconds, lambda: self._renew(work, token))
+        try:
+            if invalid is not None:
+                return await self.fate.dead(work, "invalid_session_request", invalid)
+            if spec.wants_session and self.coordinator is not None:
+                opened = await self._open_session(ex, work, creation)
+                if opened is not None:
+                    return opened
+            outcome = await self.fate.attempts(work, ex, lambda: self._attempt(ex, work))
+            if isinstance(outcome, Failed):
+                return await self.fate.failed(work, outcome.error,
+                                              give_back=lambda detail: self._release(work, detail, ex))
+        finally:
+            heartbeat.cancel()
+        if work.receipt is not None and self.step is None:
+            await self._end_session(work)
+        work.log(logging.DEBUG, "delivery processed")
+        return Result(Outcome.PROCESSED, Settlement.ACK, key_digest=work.digest)
+
+    async def _attempt(self, ex: Executor, work: Work) -> None:
+        stores, claim, step, receipt = self.stores, work.claim, self.step, work.receipt
+        assert claim is not None and claim.lease_token is not None
+        async with ex.begin(deferred=True):
+            await run_handler(stores, ex, work)
+            ending = step.ending(receipt.session_id) if step is not None and receipt is not None else None
+            if not await stores.inbox.complete(ex, work.spec.consumer, claim.digest, claim.lease_token,
+                                               outcome=Outcome.PROCESSED.value, ending=ending):
+                raise LeaseLost()
+            if step is not None and receipt is not None and ending is not None:
+                if not await step.end(ex, ending, receipt.session_id):
+                    work.log(logging.WARNING, "the coordinator session to end was not found")
+
+    def _prepare_session(self, work: Work) -> tuple[Creation | None, str | None]:
+        """The handler's session request (and, with a step, its creation to ride on the claim); or
+        why the request is invalid (a ``task`` callable that returned what no session can carry)."""
+        spec = work.spec
+        if not spec.wants_session or self.coordinator is None:
+            return None, None
+        try:
+            if callable(spec.task):
+                work.request, request_fingerprint = session_request(spec, work.delivery, self.stores.settings), None
+            else:
+                work.request, request_fingerprint = self._static_request(spec, work)
+        except ValidationError as exc:  # the task this delivery gave is not one (too long, not text)
+            return None, redact(f"the session request is invalid: {exc.errors(include_input=False)}",
+                                work.key)[:500]
+        if self.step is None:
+            return None, None
+        return self.step.prepare(work.request, idempotency_key=work.key.derive("session"),
+                                 request_fingerprint=request_fingerprint), None
+
+    def _static_request(self, spec: HandlerSpec, work: Work) -> tuple[SessionRequest, str]:
+        """Labels and a fixed task: the same request (and fingerprint) for every delivery, built once."""
+        cached = self._requests.get(spec.consumer)
+        if cached is None or cached[0] is not spec:
+            request = session_request(spec, work.delivery, self.stores.settings)
+            cached = self._requests[spec.consumer] = (spec, request, request_digest("session", request))
+        return cached[1], cached[2]
+
+    async def _open_session(self, ex: Executor, work: Work, creation: Creation | None) -> Result | None:
+        """The coordinator step, after the claim: the session is created (or replayed: a replay of an
+        active session still runs the handler, seed 000) into ``work.receipt``; or the delivery's
+        settlement: parked on a conflict or an inactive result, handed back (lease released) when the
+        coordinator is unavailable past its own retry budget or at the receipt cap."""
+        assert self.coordinator is not None and work.request is not None
+        key = work.key.derive("session")
+        try:
+            if self.step is not None:
+                carried = (creation, work.claim.carried) if creation is not None and work.claim is not None \
+                    and work.claim.carried is not None else None
+                work.receipt = await self.step.open(ex, work.request, idempotency_key=key, carried=carried)
+            else:
+                work.receipt = await self.coordinator.create_session(work.request, idempotency_key=key)
+            return None
+        except IdempotencyKeyConflict as exc:
+            return await self.fate.dead(work, exc.reason, describe(exc, work.key), Outcome.CONFLICT)
+        except IdempotencyResultInactive as exc:
+            return await self.fate.dead(work, exc.reason, describe(exc, work.key), Outcome.INACTIVE)
+        except TerminalError as exc:
+            return await self.fate.dead(work, exc.reason, describe(exc, work.key))
+        except Exception as exc:
+            return await self.fate.failed(work, exc, give_back=lambda detail: self._release(work, detail, ex))
+
+    async def _end_session(self, work: Work) -> None:
+        """End the session after the handler's transaction committed (a coordinator elsewhere); a
+        failure only logs: the session then ends at its TTL, and the delivery is done either way."""
+        assert self.coordinator is not None and work.receipt is not None
+        receipt: SessionReceipt = work.receipt
+        try:
+            await self.coordinator.end_session(receipt.session_id)
+        except Exception as exc:
+            work.log(logging.WARNING, f"ending the coordinator session failed ({type(exc).__name__})")
+
+    async def _release(self, work: Work, error: str, ex: Executor | None = None) -> None:
+        """Give the lease back, on ``ex`` or (none given, or it was discarded) a connection of its own."""
+        claim = work.claim
+        assert claim is not None and claim.lease_token is not None
+        async with usable(self.stores, ex) as on:
+            await self.stores.inbox.release(on, work.spec.consumer, claim.digest, claim.lease_token, error=error)
+
+    async def _renew(self, work: Work, token: str) -> None:
+        """The heartbeat: renew the lease every interval while the handler runs (on a connection of its
+        own: the delivery's is busy in its transaction)."""
+        stores, claim = self.stores, work.claim
+        assert claim is not None
+        interval = stores.settings.heartbeat_seconds
+        while True:
+            try:
+                async with stores.database.connect() as ex:
+                    if not await stores.inbox.renew(ex, work.spec.consumer, claim.digest, token):
+                        return  # taken over; the completion will fail and roll back
+            except Exception as exc:  # the next beat may get through before the lease runs out
+                work.log(logging.WARNING, f"lease renewal failed: {type(exc).__name__}")
+            await asyncio.sleep(interval)
+
+
+class _Heartbeat:
+    """Starts the lease-renewal task only once a handler has run for one renewal interval, so that
+    the common short handler pays for a timer, not for a task."""
+
+    def __init__(self, interval: float, beat: Callable[[], Awaitable[None]]) -> None:
+        self._task: asyncio.Task[None] | None = None
+        self._timer = asyncio.get_running_loop().call_later(interval, self._start, beat)
+
+    def _start(self, beat: Callable[[], Awaitable[None]]) -> None:
+        self._task = asyncio.ensure_future(beat())
+
+    def cancel(self) -> None:
+        self._timer.cancel()
+        if self._task is not None:
+            self._task.cancel()

@@ -1,0 +1,67 @@
+"""The single-transaction path (``single_transaction=True``): claim, effect and completion in one commit.
+
+::
+
+    lookup (a plain read)          done, parked, held or another request -> Fate.not_acquired
+    BEGIN; insert the row completed (or finish one a failed attempt left); handler; outbox rows; COMMIT
+    ACK
+
+Only for handlers whose every effect is in the database: a handler that calls out would repeat its
+call after a rollback. No lease is taken: a concurrent delivery of the same key waits on the row and
+then finds it completed. A duplicate costs the one read and gives its connection back at once.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from consumer_kit.delivery import Outcome, Result, Settlement
+from consumer_kit.pipeline.fate import Failed, Fate, NotAcquired
+from consumer_kit.pipeline.work import Stores, Work, describe, run_handler, usable
+from consumer_kit.store import Claim, ClaimStatus
+from consumer_kit.store.executor import Executor
+from consumer_kit.store.inbox import claimable, verdict
+
+
+class SinglePath:
+    """Runs deliveries of handlers registered with ``single_transaction=True``."""
+
+    def __init__(self, stores: Stores, fate: Fate) -> None:
+        self.stores = stores
+        self.fate = fate
+
+    async def run(self, work: Work) -> Result:
+        """Look, then claim and run in one transaction; settle."""
+        async with self.stores.database.connect() as ex:
+            return await self._run(ex, work)
+
+    async def _run(self, ex: Executor, work: Work) -> Result:
+        stores, spec = self.stores, work.spec
+        existing = await stores.inbox.lookup(ex, spec.consumer, work.digests)
+        if existing is not None and not claimable(existing, work.fingerprint, stores.inbox.clock()):
+            return await self.fate.not_acquired(work, verdict(existing, work.fingerprint))
+        outcome = await self.fate.attempts(work, ex, lambda: self._attempt(ex, work))
+        if not isinstance(outcome, Failed):
+            work.log(logging.DEBUG, "delivery processed")
+            return Result(Outcome.PROCESSED, Settlement.ACK, key_digest=work.digest)
+        error = outcome.error
+        if isinstance(error, NotAcquired):
+            return await self.fate.not_acquired(work, error.claim)
+        # Remember the failed attempt (unleased), so that the count survives redeliveries.
+        async with usable(stores, ex) as on:
+            attempts = await stores.inbox.record_failure(
+                on, spec.consumer, work.digests, work.fingerprint, namespace=work.key.namespace,
+                version=work.key.version, error=describe(error, work.key))
+        work.claim = Claim(ClaimStatus.ACQUIRED, work.digests[0], attempts)
+        return await self.fate.failed(work, error)
+
+    async def _attempt(self, ex: Executor, work: Work) -> None:
+        stores, spec = self.stores, work.spec
+        async with ex.begin(deferred=True):
+            claim = await stores.inbox.claim_completed(
+                ex, spec.consumer, work.digests, work.fingerprint, namespace=work.key.namespace,
+                version=work.key.version, outcome=Outcome.PROCESSED.value)
+            if not claim.acquired:
+                raise NotAcquired(claim)
+            work.claim = claim
+            await run_handler(stores, ex, work)

@@ -1,0 +1,140 @@
+"""One delivery in flight (:class:`Work`), the handler registration it belongs to, and the part both
+paths share: running the handler inside the delivery's transaction."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import traceback
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from consumer_kit.context import Context
+from consumer_kit.coordinator.protocol import SessionReceipt, SessionRequest
+from consumer_kit.delivery import Delivery, Source
+from consumer_kit.keys import KeyDigester, OperationKey, short
+from consumer_kit.settings import Settings
+from consumer_kit.store import Claim, DeadLetters, Inbox, OutboxWriter
+from consumer_kit.store.executor import Database, Executor
+
+log = logging.getLogger("consumer_kit.pipeline")
+
+Handler = Callable[[Context], Awaitable[Any]]
+
+
+@dataclass(frozen=True, slots=True)
+class HandlerSpec:
+    """A handler bound to its source, as ``@app.handler`` registered it."""
+
+    func: Handler
+    source: Source
+    consumer: str  # the inbox scope; keep it stable across deploys
+    single_transaction: bool = False
+    max_deliveries: int | None = None
+    labels: tuple[str, ...] = ()
+    task: Callable[[Delivery], str] | str | None = None
+    driver: str = "sqlalchemy"  # or "asyncpg": the handler uses ctx.connection (PostgreSQL on asyncpg)
+
+    @property
+    def wants_session(self) -> bool:
+        """Whether deliveries of this handler get a coordinator session."""
+        return bool(self.labels or self.task)
+
+
+@dataclass(slots=True)
+class Work:
+    """Everything the pipeline knows about one delivery, filled in as it goes."""
+
+    spec: HandlerSpec
+    delivery: Delivery
+    key: OperationKey
+    digests: Sequence[str]  # the key's digest under the current HMAC key, then the previous one
+    fingerprint: str
+    claim: Claim | None = None
+    request: SessionRequest | None = None
+    receipt: SessionReceipt | None = None
+    _digest: str = field(default="")
+
+    @property
+    def digest(self) -> str:
+        """The short keyed digest logs and results carry (never the key)."""
+        if not self._digest:
+            self._digest = short(self.claim.digest if self.claim is not None else self.digests[0])
+        return self._digest
+
+    @property
+    def attempts(self) -> int:
+        """Deliveries of this key so far, as the inbox counted them or the source did."""
+        return max(self.claim.attempts if self.claim is not None else 0, self.delivery.attempt)
+
+    def log(self, level: int, message: str) -> None:
+        """Log with the key's namespace and digest, never the key itself."""
+        log.log(level, "%s [%s:v%d %s]", message, self.key.namespace, self.key.version, self.digest,
+                extra={"namespace": self.key.namespace, "key_digest": self.digest})
+
+
+@dataclass(frozen=True, slots=True)
+class Stores:
+    """What both paths work with: the database and its stores, settings, and the handlers' helpers."""
+
+    settings: Settings
+    database: Database
+    inbox: Inbox
+    dead_letters: DeadLetters
+    digester: KeyDigester
+    http: httpx.AsyncClient | None
+
+
+@contextlib.asynccontextmanager
+async def usable(stores: Stores, ex: Executor | None) -> AsyncIterator[Executor]:
+    """``ex``, or a connection of its own when there is none or ``ex`` was discarded (lost)."""
+    if ex is not None and not ex.discarded:
+        yield ex
+        return
+    async with stores.database.connect() as own:
+        yield own
+
+
+async def run_handler(stores: Stores, ex: Executor, work: Work) -> None:
+    """Run the handler inside ``ex``'s transaction, then write what it staged (outbox rows, ORM objects)
+    in the same transaction. The caller completes the inbox row and commits."""
+    spec, claim = work.spec, work.claim
+    assert claim is not None
+    ctx = Context(key=work.key, delivery=work.delivery, executor=ex, attempt=work.attempts,
+                  key_digest=work.digest, outbox=OutboxWriter(stores.digester, spec.consumer, work.key,
+                                                               clock=stores.inbox.clock),
+                  session=work.receipt, http=stores.http)
+    await spec.func(ctx)
+    await ctx.outbox.flush(ex)
+    session: AsyncSession | None = ex.session_made()
+    if session is not None and (session.new or session.dirty or session.deleted):  # ORM objects to write
+        await session.flush()
+
+
+def session_request(spec: HandlerSpec, delivery: Delivery, settings: Settings) -> SessionRequest:
+    """The coordinator session a handler's delivery asks for: its labels, its task, the session TTL."""
+    task = spec.task(delivery) if callable(spec.task) else spec.task
+    return SessionRequest(labels=spec.labels, task=task, ttl_seconds=settings.coordinator_session_ttl_seconds)
+
+
+def describe(exc: BaseException, key: OperationKey | None) -> str:
+    """``Type: message`` of an exception, with the raw key redacted (user code may put it there)."""
+    return redact(f"{type(exc).__name__}: {exc}", key)[:500]
+
+
+def redact(text: str, key: OperationKey | None) -> str:
+    """``text`` with the raw key and its id replaced by ``<key>``."""
+    if key is None:
+        return text
+    text = text.replace(str(key), "<key>")
+    # A short id (say "42") is no secret and would garble the text; longer ones are redacted too.
+    return text.replace(key.id, "<key>") if len(key.id) >= 6 else text
+
+
+def format_exception(exc: BaseException, key: OperationKey | None) -> str:
+    """A traceback with the raw key redacted."""
+    return redact("".join(traceback.format_exception(exc)), key)

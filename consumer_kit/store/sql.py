@@ -1,0 +1,335 @@
+"""Every SQL statement of the store, in one place.
+
+Statements take named parameters (``:name``); :mod:`consumer_kit.store.executor` runs them on either
+driver (asyncpg receives them as ``$n``). ``sql`` is PostgreSQL's text; ``sqlite`` is given where
+SQLite needs other words (no ``FOR UPDATE``, no data-modifying ``WITH``). Statements marked
+PostgreSQL-only are used on PostgreSQL alone; the store takes another path on SQLite.
+
+Parameters and result columns are typed by name (:data:`TYPES`): every column of that name, in every
+table, has that type, so a statement needs no type list of its own.
+
+The two compound statements at the end (:data:`CLAIM_CREATING_SESSION`, :data:`COMPLETE_ENDING_SESSION`)
+are the private contract between the inbox and the coordinator's receipt store: the embedded
+coordinator's session is created in the statement that claims the delivery (only when the claim takes
+the lease) and ended in the statement that completes it, one round trip and one commit fewer each.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Literal
+
+from sqlalchemy import JSON, Boolean, LargeBinary
+from sqlalchemy.types import TypeEngine
+
+from consumer_kit.store.tables import UTCDateTime
+
+Kind = Literal["datetime", "json", "bool", "bytes"]
+
+TYPES: dict[str, Kind] = {
+    **dict.fromkeys(("now", "locked_until", "expires_at", "created_at", "updated_at", "available_at",
+                     "published_at", "ended_at", "keep_from", "since", "oldest", "receipt_expires_at",
+                     "resource_expires_at", "inbox_locked_until"), "datetime"),
+    **dict.fromkeys(("result", "headers", "response", "inbox_result"), "json"),
+    **dict.fromkeys(("closed", "generated"), "bool"),
+    **dict.fromkeys(("body",), "bytes"),
+}
+"""The type of every parameter and result column by name; anything else is text or an integer."""
+
+SQLALCHEMY_TYPES: dict[Kind, TypeEngine[object]] = {
+    "datetime": UTCDateTime(), "json": JSON(), "bool": Boolean(), "bytes": LargeBinary(),  # type: ignore[dict-item]
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Statement:
+    """One SQL statement: PostgreSQL's text, and SQLite's where it differs."""
+
+    sql: str
+    sqlite: str | None = None
+
+    def text(self, dialect: str) -> str:
+        """The statement's text for ``dialect`` (``postgresql`` or ``sqlite``)."""
+        return self.sqlite if dialect == "sqlite" and self.sqlite is not None else self.sql
+
+
+def _skip_locked(select: str) -> Statement:
+    """``select`` locking its rows on PostgreSQL (other workers skip them), plain on SQLite (one writer)."""
+    return Statement(f"{select} FOR UPDATE SKIP LOCKED", select)
+
+
+# --- inbox ------------------------------------------------------------------------------------------
+
+INBOX_COLUMNS = (
+    "consumer, key_digest, namespace, version, fingerprint, state, locked_until, lease_token, attempts,"
+    " outcome, result, last_error, created_at, updated_at, expires_at"
+)
+# ``previous`` is the digest under the previous HMAC key during a rotation, else the same digest again.
+LOOKUP = Statement(f"SELECT {INBOX_COLUMNS} FROM inbox WHERE consumer = :consumer"
+                   " AND key_digest IN (:key_digest, :previous)")
+
+# The two-transaction claim (seed 003, txn 1), in autocommit: insert the row, or take over a started
+# row for the same request whose lease ran out or was released; concurrent claimers serialise on the
+# row and one gets it. RETURNING gives the attempts when this claim took the lease.
+_UPSERT_STARTED = (
+    "INSERT INTO inbox (consumer, key_digest, namespace, version, fingerprint, state, locked_until,"
+    " lease_token, attempts, created_at, updated_at, expires_at)"
+    " VALUES (:consumer, :key_digest, :namespace, :version, :fingerprint, 'started', :locked_until,"
+    " :lease_token, 1, :now, :now, :expires_at)"
+    " ON CONFLICT (consumer, key_digest) DO UPDATE SET locked_until = :locked_until,"
+    " lease_token = :lease_token, attempts = inbox.attempts + 1, updated_at = :now"
+    " WHERE inbox.state = 'started' AND inbox.fingerprint = :fingerprint"
+    " AND (inbox.locked_until IS NULL OR inbox.locked_until <= :now)"
+    " RETURNING attempts"
+)
+CLAIM_SQLITE = Statement(_UPSERT_STARTED)  # SQLite: after a plain lookup, so a repeat writes nothing
+# PostgreSQL: the claim and the look at the row in one statement. The insert is skipped outright when
+# the row is completed, dead, leased or for another request, so a redelivery of finished work writes,
+# locks and flushes nothing; ``inbox_*`` is the row as this statement's snapshot saw it, for the
+# verdict when the claim did not take the lease.
+_CLAIM_CTES = (
+    "inbox_row AS (SELECT state, fingerprint, locked_until, attempts, result FROM inbox"
+    " WHERE consumer = :consumer AND key_digest = :key_digest),"
+    " anchor AS (INSERT INTO inbox (consumer, key_digest, namespace, version, fingerprint, state, locked_until,"
+    " lease_token, attempts, created_at, updated_at, expires_at)"
+    " SELECT CAST(:consumer AS varchar), CAST(:key_digest AS varchar), CAST(:namespace AS varchar),"
+    " CAST(:version AS integer), CAST(:fingerprint AS varchar), 'started', CAST(:locked_until AS timestamptz),"
+    " CAST(:lease_token AS varchar), 1, CAST(:now AS timestamptz), CAST(:now AS timestamptz),"
+    " CAST(:expires_at AS timestamptz)"
+    " WHERE NOT EXISTS (SELECT 1 FROM inbox_row WHERE state <> 'started' OR fingerprint <> :fingerprint"
+    " OR locked_until > :now)"
+    " ON CONFLICT (consumer, key_digest) DO UPDATE SET locked_until = :locked_until,"
+    " lease_token = :lease_token, attempts = inbox.attempts + 1, updated_at = :now"
+    " WHERE inbox.state = 'started' AND inbox.fingerprint = :fingerprint"
+    " AND (inbox.locked_until IS NULL OR inbox.locked_until <= :now)"
+    " RETURNING attempts)"
+)
+_CLAIM_COLUMNS = (
+    "(SELECT attempts FROM anchor) AS claimed, r.state AS inbox_state, r.fingerprint AS inbox_fingerprint,"
+    " r.locked_until AS inbox_locked_until, r.attempts AS inbox_attempts, r.result AS inbox_result"
+)
+_CLAIM_FROM = "(SELECT 1) AS inbox_one LEFT JOIN inbox_row r ON true"
+CLAIM = Statement(f"WITH {_CLAIM_CTES} SELECT {_CLAIM_COLUMNS} FROM {_CLAIM_FROM}")  # PostgreSQL only
+
+# The single-transaction claim, inside the handler's transaction: a new key's row is inserted already
+# completed, so the effect and the record commit together or not at all.
+INSERT_COMPLETED = Statement(
+    "INSERT INTO inbox (consumer, key_digest, namespace, version, fingerprint, state, attempts, outcome,"
+    " created_at, updated_at, expires_at)"
+    " VALUES (:consumer, :key_digest, :namespace, :version, :fingerprint, 'completed', 1, :outcome, :now, :now,"
+    " :expires_at)"
+    " ON CONFLICT (consumer, key_digest) DO NOTHING"
+)
+# ... and a row an earlier failed attempt left started and unleased is finished in it.
+FINISH_STARTED = Statement(
+    "UPDATE inbox SET state = 'completed', locked_until = NULL, lease_token = NULL, attempts = attempts + 1,"
+    " outcome = :outcome, last_error = NULL, updated_at = :now, expires_at = :expires_at"
+    " WHERE consumer = :consumer AND key_digest = :key_digest AND state = 'started'"
+    " AND fingerprint = :fingerprint AND (locked_until IS NULL OR locked_until <= :now)"
+    " RETURNING attempts"
+)
+
+# Seed 003's completion, inside the handler's transaction, only while the lease is ours. The expiry
+# the claim wrote is kept when it is at least ``keep_from`` (the completion's own, less a lease): an
+# update that changes no indexed column can be a heap-only tuple update on PostgreSQL, which writes no
+# index entries (ix_inbox_expires_at is the only index besides the key). Retention then counts from
+# at most one lease before the completion.
+_COMPLETE = (
+    "UPDATE inbox SET state = 'completed', locked_until = NULL, lease_token = NULL, outcome = :outcome,"
+    " last_error = NULL, updated_at = :now,"
+    " expires_at = CASE WHEN expires_at >= :keep_from THEN expires_at ELSE :expires_at END"
+    " WHERE consumer = :consumer AND key_digest = :key_digest AND state = 'started'"
+    " AND lease_token = :lease_token"
+)
+COMPLETE = Statement(_COMPLETE)
+RENEW = Statement(
+    "UPDATE inbox SET locked_until = :locked_until, updated_at = :now"
+    " WHERE consumer = :consumer AND key_digest = :key_digest AND state = 'started'"
+    " AND lease_token = :lease_token"
+)
+RELEASE = Statement(
+    "UPDATE inbox SET locked_until = NULL, lease_token = NULL, updated_at = :now, last_error = :last_error"
+    " WHERE consumer = :consumer AND key_digest = :key_digest AND state = 'started'"
+    " AND lease_token = :lease_token"
+)
+_MARK_DEAD = (
+    "UPDATE inbox SET state = 'dead', locked_until = NULL, lease_token = NULL, outcome = :outcome,"
+    " updated_at = :now, expires_at = :expires_at"
+    " WHERE consumer = :consumer AND key_digest = :key_digest AND state = 'started'"
+)
+MARK_DEAD = Statement(f"{_MARK_DEAD} AND lease_token = :lease_token")
+MARK_DEAD_UNLEASED = Statement(f"{_MARK_DEAD} AND lease_token IS NULL")
+# After a failed single-transaction attempt: remember it (unleased) and count it.
+RECORD_FAILURE = Statement(
+    "INSERT INTO inbox (consumer, key_digest, namespace, version, fingerprint, state, attempts, last_error,"
+    " created_at, updated_at, expires_at)"
+    " VALUES (:consumer, :key_digest, :namespace, :version, :fingerprint, 'started', 1, :last_error, :now, :now,"
+    " :expires_at)"
+    " ON CONFLICT (consumer, key_digest) DO UPDATE SET attempts = inbox.attempts + 1,"
+    " last_error = :last_error, updated_at = :now WHERE inbox.state = 'started'"
+    " RETURNING attempts"
+)
+# Expired rows, oldest first, in short batches; a started row with a live lease is never deleted.
+_EXPIRED_INBOX = ("FROM inbox WHERE expires_at <= :now AND (locked_until IS NULL OR locked_until <= :now)"
+                  " ORDER BY expires_at LIMIT :limit")
+SWEEP_INBOX = Statement(
+    f"DELETE FROM inbox WHERE ctid IN (SELECT ctid {_EXPIRED_INBOX} FOR UPDATE SKIP LOCKED)",
+    f"DELETE FROM inbox WHERE rowid IN (SELECT rowid {_EXPIRED_INBOX})",
+)
+
+# --- outbox -----------------------------------------------------------------------------------------
+
+INSERT_OUTBOX = Statement(
+    "INSERT INTO outbox (id, destination, headers, body, created_at, available_at, attempts)"
+    " VALUES (:id, :destination, :headers, :body, :created_at, :available_at, 0) ON CONFLICT (id) DO NOTHING"
+)
+NOTIFY = Statement("SELECT pg_notify(:channel, '')")  # PostgreSQL only; delivered at commit
+CLAIM_OUTBOX = _skip_locked(
+    "SELECT id, destination, body, headers, attempts FROM outbox"
+    " WHERE published_at IS NULL AND available_at <= :now ORDER BY available_at LIMIT :limit"
+)
+MARK_PUBLISHED = Statement(
+    "UPDATE outbox SET published_at = :now, attempts = attempts + 1, last_error = NULL WHERE id = :id")
+MARK_FAILED = Statement(
+    "UPDATE outbox SET attempts = attempts + 1, last_error = :last_error, available_at = :available_at"
+    " WHERE id = :id")
+OUTBOX_STATS = Statement(
+    "SELECT count(*) AS pending, min(created_at) AS oldest FROM outbox WHERE published_at IS NULL")
+GET_OUTBOX = Statement(
+    "SELECT id, destination, headers, body, created_at, available_at, attempts, published_at, last_error"
+    " FROM outbox WHERE id = :id")
+_PUBLISHED_OUTBOX = "FROM outbox WHERE published_at <= :before LIMIT :limit"
+SWEEP_OUTBOX = Statement(
+    f"DELETE FROM outbox WHERE id IN (SELECT id {_PUBLISHED_OUTBOX} FOR UPDATE SKIP LOCKED)",
+    f"DELETE FROM outbox WHERE id IN (SELECT id {_PUBLISHED_OUTBOX})",
+)
+
+# --- dead letters -----------------------------------------------------------------------------------
+
+INSERT_DEAD_LETTER = Statement(
+    "INSERT INTO dead_letters (id, consumer, source, namespace, version, key_digest, reason, detail, body,"
+    " headers, attempts, created_at)"
+    " VALUES (:id, :consumer, :source, :namespace, :version, :key_digest, :reason, :detail, :body, :headers,"
+    " :attempts, :created_at)"
+)
+# An unset filter is NULL; the CASTs give PostgreSQL the parameter's type where it is first seen.
+_DEAD_LETTER_FILTERS = ("(CAST(:consumer AS varchar) IS NULL OR consumer = :consumer)"
+                        " AND (CAST(:reason AS varchar) IS NULL OR reason = :reason)")
+LIST_DEAD_LETTERS = Statement(
+    "SELECT id, consumer, source, namespace, version, key_digest, reason, detail, body, headers, attempts,"
+    f" created_at FROM dead_letters WHERE {_DEAD_LETTER_FILTERS} ORDER BY created_at DESC LIMIT :limit")
+COUNT_DEAD_LETTERS = Statement(f"SELECT count(*) AS parked FROM dead_letters WHERE {_DEAD_LETTER_FILTERS}")
+
+# --- the embedded coordinator's receipts, resources and scope counts ----------------------------------
+# A creation is one transaction: the receipt (ON CONFLICT DO NOTHING on its primary key: a concurrent
+# creation with the same key waits for the first to commit, then inserts nothing and replays it), the
+# resource, then a slot in the scope's count (last, so that its row lock is held only to the commit).
+
+_RECEIPT_KEY = ("tenant = :tenant AND application = :application AND operation = :operation"
+                " AND key_digest = :receipt_digest")
+FIND_RECEIPT = Statement(
+    "SELECT r.key_digest, r.fingerprint, r.resource_id, r.response, r.expires_at AS receipt_expires_at,"
+    " s.status AS resource_status, s.expires_at AS resource_expires_at"
+    " FROM idempotency_receipts r LEFT JOIN coordinator_resources s ON s.id = r.resource_id"
+    " WHERE r.tenant = :tenant AND r.application = :application AND r.operation = :operation"
+    " AND r.key_digest IN (:receipt_digest, :previous)"
+)
+INSERT_RECEIPT = Statement(
+    "INSERT INTO idempotency_receipts (tenant, application, operation, key_digest, fingerprint, resource_id,"
+    " response, generated, created_at, expires_at) VALUES (:tenant, :application, :operation, :receipt_digest,"
+    " :receipt_fingerprint, :resource_id, :response, :generated, :created_at, :receipt_expires_at)"
+    " ON CONFLICT DO NOTHING"
+)
+INSERT_RESOURCE = Statement(
+    "INSERT INTO coordinator_resources (id, tenant, application, kind, status, created_at, expires_at)"
+    " VALUES (:resource_id, :tenant, :application, :kind, 'active', :created_at, :resource_expires_at)"
+)
+_SCOPE = "tenant = :tenant AND application = :application AND operation = :operation"
+TAKE_STRIPE_SLOT = Statement(
+    f"UPDATE idempotency_scopes SET live = live + 1 WHERE {_SCOPE} AND stripe = :stripe AND live < :share"
+    " AND NOT closed")
+INSERT_STRIPE = Statement(
+    "INSERT INTO idempotency_scopes (tenant, application, operation, stripe, live, closed)"
+    " VALUES (:tenant, :application, :operation, :stripe, 0, false) ON CONFLICT DO NOTHING")
+LOCK_STRIPES = Statement(f"SELECT stripe, live FROM idempotency_scopes WHERE {_SCOPE} ORDER BY stripe FOR UPDATE",
+                         f"SELECT stripe, live FROM idempotency_scopes WHERE {_SCOPE} ORDER BY stripe")
+ADD_TO_STRIPE = Statement(
+    f"UPDATE idempotency_scopes SET live = CASE WHEN live + :delta > 0 THEN live + :delta ELSE 0 END"
+    f" WHERE {_SCOPE} AND stripe = :stripe")
+SET_SCOPE_CLOSED = Statement(f"UPDATE idempotency_scopes SET closed = :closed WHERE {_SCOPE}")
+CLOSED_SCOPES = Statement("SELECT DISTINCT tenant, application, operation FROM idempotency_scopes WHERE closed")
+EXPIRED_RECEIPTS = _skip_locked(
+    "SELECT tenant, application, operation, key_digest FROM idempotency_receipts"
+    " WHERE expires_at <= :now AND (CAST(:tenant AS varchar) IS NULL"
+    " OR (tenant = :tenant AND application = :application AND operation = :operation))"
+    " ORDER BY expires_at LIMIT :limit"
+)
+DELETE_RECEIPT = Statement(f"DELETE FROM idempotency_receipts WHERE {_RECEIPT_KEY}")
+DELETE_EXPIRED_RECEIPT = Statement(f"DELETE FROM idempotency_receipts WHERE {_RECEIPT_KEY} AND expires_at <= :now")
+SET_RESOURCE_STATUS = Statement(
+    "UPDATE coordinator_resources SET status = :status, ended_at = :now"
+    " WHERE id = :resource_id AND tenant = :tenant AND application = :application AND status = 'active'")
+RESOURCE_IN_SCOPE = Statement(
+    "SELECT kind, status, expires_at AS resource_expires_at FROM coordinator_resources"
+    " WHERE id = :resource_id AND tenant = :tenant AND application = :application")
+_EXPIRED_RESOURCES = "FROM coordinator_resources WHERE expires_at <= :now LIMIT :limit"
+SWEEP_RESOURCES = Statement(
+    f"DELETE FROM coordinator_resources WHERE id IN (SELECT id {_EXPIRED_RESOURCES} FOR UPDATE SKIP LOCKED)",
+    f"DELETE FROM coordinator_resources WHERE id IN (SELECT id {_EXPIRED_RESOURCES})",
+)
+RECEIPT_STATS = Statement("SELECT count(*) AS receipts, min(created_at) AS oldest FROM idempotency_receipts")
+
+# PostgreSQL's one-statement creation, in autocommit: a new key whose stripe has room takes the slot,
+# writes the receipt and the resource, or reports the receipt that exists. ``gate`` lets the
+# creation ride on the inbox's claim (only when the claim took the lease).
+def _creation_ctes(gate: str) -> str:
+    return (
+        "existing AS (SELECT r.fingerprint, r.resource_id, r.response, r.expires_at AS receipt_expires_at,"
+        "  s.status AS resource_status, s.expires_at AS resource_expires_at"
+        "  FROM idempotency_receipts r LEFT JOIN coordinator_resources s ON s.id = r.resource_id"
+        "  WHERE r.tenant = :tenant AND r.application = :application AND r.operation = :operation"
+        "  AND r.key_digest = :receipt_digest),"
+        " slot AS (UPDATE idempotency_scopes SET live = live + 1"
+        f"  WHERE {_SCOPE} AND stripe = :stripe AND live < :share"
+        f"  AND NOT closed AND NOT EXISTS (SELECT 1 FROM existing){gate} RETURNING 1),"
+        " receipt AS (INSERT INTO idempotency_receipts (tenant, application, operation, key_digest, fingerprint,"
+        "  resource_id, response, generated, created_at, expires_at)"
+        "  SELECT :tenant, :application, :operation, :receipt_digest, :receipt_fingerprint, :resource_id,"
+        "  CAST(:response AS json), :generated, :created_at, :receipt_expires_at FROM slot ON CONFLICT DO NOTHING"
+        "  RETURNING resource_id),"
+        " resource AS (INSERT INTO coordinator_resources (id, tenant, application, kind, status, created_at,"
+        "  expires_at) SELECT resource_id, :tenant, :application, :kind, 'active', :created_at, :resource_expires_at"
+        "  FROM receipt RETURNING 1)"
+    )
+
+
+_CREATION_COLUMNS = ("e.fingerprint, e.resource_id, e.response, e.receipt_expires_at, e.resource_status,"
+                     " e.resource_expires_at, (SELECT count(*) FROM slot) AS slot,"
+                     " (SELECT count(*) FROM resource) AS created")
+_CREATION_FROM = "(SELECT 1) AS one LEFT JOIN existing e ON true"
+CREATE_RESOURCE = Statement(  # PostgreSQL only
+    f"WITH {_creation_ctes('')} SELECT {_CREATION_COLUMNS} FROM {_CREATION_FROM}")
+
+# --- the inbox's statements carrying the coordinator's (PostgreSQL only; see the module docstring) ----
+
+
+def _names(sql: str) -> set[str]:
+    return set(re.findall(r"(?<![:\w]):([A-Za-z_]\w*)", sql))
+
+
+# The inbox's and the coordinator's parameters are merged into one mapping: no name may be both's.
+assert not _names(_CLAIM_CTES) & _names(_creation_ctes("")), "claim and creation share a parameter name"
+assert not _names(_COMPLETE) & {"resource_id", "tenant", "application"}, "completion and ending share a name"
+
+CLAIM_CREATING_SESSION = Statement(
+    f"WITH {_CLAIM_CTES}, {_creation_ctes(' AND EXISTS (SELECT 1 FROM anchor)')}"
+    f" SELECT {_CLAIM_COLUMNS}, {_CREATION_COLUMNS} FROM {_CLAIM_FROM}, {_CREATION_FROM}"
+)
+COMPLETE_ENDING_SESSION = Statement(
+    f"WITH anchor AS ({_COMPLETE} RETURNING 1),"
+    " ended AS (UPDATE coordinator_resources SET status = 'ended', ended_at = :now"
+    " WHERE id = :resource_id AND tenant = :tenant AND application = :application AND status = 'active'"
+    " AND EXISTS (SELECT 1 FROM anchor) RETURNING 1)"
+    " SELECT (SELECT count(*) FROM anchor) AS completed, (SELECT count(*) FROM ended) AS ended"
+)
