@@ -41,7 +41,6 @@ except ModuleNotFoundError as exc:  # pragma: no cover - depends on the installa
         "sources.cloudevents needs the cloudevents extra: pip install 'consumer-kit[cloudevents]'"
     ) from exc
 
-from consumer_kit.asgi import read_body, reject, respond, unavailable
 from consumer_kit.delivery import CallIntake, Delivery, Result, Settlement
 from consumer_kit.errors import MissingStableId, UnparseableDelivery
 from consumer_kit.http import (
@@ -52,6 +51,7 @@ from consumer_kit.http import (
     UnsupportedMediaType,
     answer_for,
 )
+from consumer_kit.http_intake import read_body, reject, respond, unavailable
 from consumer_kit.keys import OperationKey
 
 STRUCTURED = "application/cloudevents+json"
