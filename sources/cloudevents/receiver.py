@@ -122,9 +122,11 @@ class CloudEventsSource(HttpIntake):
             return await self._receive_batch(body, headers["content-type"], dispatch)
         if media == STRUCTURED:
             try:
-                event = from_structured(parse_document(body), body, volatile=self.volatile_attributes)
+                document = parse_document(body)
             except ValueError:
                 event = invalid(Delivery(id=None, body=body, headers=headers), InvalidEvent(NOT_JSON))
+            else:
+                event = from_structured(document, body, volatile=self.volatile_attributes)
             return respond(await dispatch(event))
         if media.startswith("application/cloudevents"):
             raise UnsupportedMediaType()  # another event format (XML, Avro, Protobuf ...)

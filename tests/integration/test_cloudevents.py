@@ -71,30 +71,47 @@ async def test_structured_and_binary_of_one_event_are_one_delivery(
     assert len(harness.seen) == 1
 
 
-@pytest.mark.parametrize(
-    ("change", "headers", "content"),
-    [
-        ("type", {"ce-type": "com.example.order.deleted"}, b'{"order": 1}'),
-        ("time", {"ce-time": "2026-01-01T00:00:05Z"}, b'{"order": 1}'),
-        ("extension", {"ce-tenant": "b"}, b'{"order": 1}'),
-        ("subject", {"ce-subject": "other"}, b'{"order": 1}'),
-        ("datacontenttype", {"content-type": "application/json; charset=utf-8"}, b'{"order": 1}'),
-        ("data", {}, b'{"order": 2}'),
-        ("data-type-of-a-number", {}, b'{"order": "1"}'),
-    ],
-)
+CHANGES = {  # change -> (headers replaced in the second copy, its body)
+    "type": ({"ce-type": "com.example.order.deleted"}, b'{"order": 1}'),
+    "time": ({"ce-time": "2026-01-01T00:00:05Z"}, b'{"order": 1}'),
+    "extension": ({"ce-tenant": "b"}, b'{"order": 1}'),
+    "subject": ({"ce-subject": "other"}, b'{"order": 1}'),
+    "datacontenttype": ({"content-type": "application/json; charset=utf-8"}, b'{"order": 1}'),
+    "data": ({}, b'{"order": 2}'),
+    "data-type-of-a-number": ({}, b'{"order": "1"}'),
+}
+
+
+@pytest.mark.parametrize("change", CHANGES)
+@pytest.mark.parametrize("first_mode", ["binary", "structured"])
 async def test_any_real_change_under_the_same_id_is_a_conflict(
-    sink: tuple[Sink, httpx.AsyncClient], change: str, headers: dict[str, str], content: bytes
+    sink: tuple[Sink, httpx.AsyncClient], change: str, first_mode: str
 ) -> None:
     harness, client = sink
-    event = structured("c-1", time="2026-01-01T00:00:00Z", subject="order-1", tenant="a")
-    first = await client.post("/events", content=json.dumps(event), headers=STRUCTURED)
+    headers, content = CHANGES[change]
     sent = binary("c-1", **{"ce-time": "2026-01-01T00:00:00Z", "ce-subject": "order-1", "ce-tenant": "a"})
+    if first_mode == "binary":
+        first = await client.post("/events", content=b'{"order": 1}', headers=sent)
+    else:
+        event = structured("c-1", time="2026-01-01T00:00:00Z", subject="order-1", tenant="a")
+        first = await client.post("/events", content=json.dumps(event), headers=STRUCTURED)
     changed = await client.post("/events", content=content, headers={**sent, **headers})
     assert first.json()["outcome"] == "processed"
     assert changed.status_code == 202 and changed.json()["outcome"] == "conflict", change
     assert len(harness.seen) == 1
     assert await harness.app.dead_letters.count(reason="conflict") == 1
+
+
+async def test_a_parked_event_keys_again_to_its_own_key(sink: tuple[Sink, httpx.AsyncClient]) -> None:
+    # What an operator replays is the parked binary form (values decoded): it keys as the event did.
+    harness, client = sink
+    sent = binary("k 1%25", **{"ce-subject": "%E2%82%AC"})
+    await client.post("/events", content=b'{"order": 1}', headers=sent)
+    await client.post("/events", content=b'{"order": 2}', headers=sent)
+    [parked] = await harness.app.dead_letters.list(reason="conflict")
+    assert parked.headers["ce-id"] == "k 1%" and parked.headers["ce-subject"] == "€"
+    replayed = Delivery(id=None, body=parked.body, headers=parked.headers)
+    assert harness.source.key(replayed) == harness.source.key(harness.seen[0])
 
 
 async def test_the_same_instant_spelled_otherwise_is_the_same_event(

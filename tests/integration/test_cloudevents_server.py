@@ -3,40 +3,16 @@ connection: hostile JSON is answered 400 without a traceback, and the connection
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
-from collections.abc import AsyncIterator
 
 import httpx
 import pytest
-import uvicorn
 
-from consumer_kit import ConsumerApp
-from consumer_kit.testing.server import free_port
+from consumer_kit.testing.server import served_asgi
 from tests.integration.cloudevents_sink import BATCH, STRUCTURED, TOKEN, Sink
 
 DEEP = b"[" * 1000 + b"]" * 1000  # about 1,000 levels in 2 KB
 EVENT = b'{"specversion": "1.0", "type": "t", "source": "/s", "id": "%s", "data": %s}'
-
-
-@contextlib.asynccontextmanager
-async def uvicorn_serving(app: ConsumerApp) -> AsyncIterator[str]:
-    """``app.asgi()`` under uvicorn in this event loop; its log records go to the root logger."""
-    port = free_port()
-    config = uvicorn.Config(app.asgi(), host="127.0.0.1", port=port, lifespan="on", log_config=None,
-                            access_log=False)
-    server = uvicorn.Server(config)
-    task = asyncio.create_task(server.serve())
-    while not server.started:
-        if task.done():
-            task.result()  # raises what stopped the server
-        await asyncio.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        await task
 
 
 def local_port(answer: httpx.Response) -> int:
@@ -56,7 +32,7 @@ async def test_deeply_nested_json_is_a_400_and_the_connection_lives_on(
         (b"[" + DEEP + b"]", BATCH),
     ]
     caplog.set_level(logging.INFO)
-    async with uvicorn_serving(sink.app) as base:
+    async with served_asgi(sink.app.asgi()) as base:
         async with httpx.AsyncClient(base_url=base, headers={"authorization": f"Bearer {TOKEN}"}) as client:
             answers = [await client.post("/events", content=body, headers=headers) for body, headers in hostile]
             fine = await client.post("/events", content=EVENT % (b"fine", b'{"n": 1}'), headers=STRUCTURED)
