@@ -13,6 +13,7 @@ is :mod:`consumer_kit.http`.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Iterable
 
 from starlette.requests import ClientDisconnect, Request
@@ -32,7 +33,7 @@ from consumer_kit.keys import OperationKey
 _PRIVATE_HEADERS = frozenset({"authorization", "cookie", "proxy-authorization"})
 
 
-class HttpIntake(CallIntake):
+class HttpIntake(CallIntake, ABC):
     """Base of the sources fed by HTTP requests (an :class:`~consumer_kit.http.HttpSource`).
 
     ``app.asgi()`` routes ``methods`` on ``path`` to :meth:`handle`, which answers 503 unless the app
@@ -63,9 +64,9 @@ class HttpIntake(CallIntake):
         except RequestRejected as exc:
             return reject(self.name, exc)
 
+    @abstractmethod
     async def receive(self, request: Request, dispatch: Dispatch) -> Response:
         """Turn the request into deliveries, dispatch them and answer; raise RequestRejected to refuse."""
-        raise NotImplementedError
 
     async def read_body(self, request: Request) -> bytes:
         """The raw body under this source's cap (see :func:`read_body`)."""

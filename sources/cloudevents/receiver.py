@@ -87,7 +87,7 @@ class CloudEventsSource(HttpIntake):
         self.allowed_origins = frozenset(allowed_origins)
         self.allowed_rate = allowed_rate
         self.volatile_attributes = frozenset(volatile_attributes)
-        self.max_batch_events = Settings.model_fields["cloudevents_max_batch_events"].default
+        self.max_batch_events: int = Settings.model_fields["cloudevents_max_batch_events"].default
 
     async def start(self, dispatch: Dispatch, settings: Settings) -> None:
         """Accept events; the batch cap is the app's ``CLOUDEVENTS_MAX_BATCH_EVENTS``."""
