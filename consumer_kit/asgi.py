@@ -11,111 +11,58 @@ Its lifespan starts and stops the ConsumerApp (``app.running()``), so uvicorn (`
 drives the whole worker. Mounted inside another Starlette or FastAPI app, whose router does not run
 a mounted app's lifespan, give the parent ``lifespan=consumer_kit.asgi.lifespan(app)``.
 
-The helpers below are shared by the HTTP sources: a capped body reader, single-valued header access,
-and the one mapping of verdicts and rejections to responses.
+The request helpers and the base class of the HTTP sources are in :mod:`consumer_kit.http_intake`;
+this module needs of the app only :class:`ServedApp`, so it imports nothing of :mod:`consumer_kit.app`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncEngine
 from starlette.applications import Starlette
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
-from consumer_kit import metrics
-from consumer_kit.delivery import Result
-from consumer_kit.http import (
-    HttpSource,
-    MalformedRequest,
-    PayloadTooLarge,
-    RequestRejected,
-    answer_for,
-)
+from consumer_kit.http import HttpSource
 from consumer_kit.store import schema_revisions
 
 if TYPE_CHECKING:
-    from consumer_kit.app import ConsumerApp
+    from consumer_kit.settings import Settings
 
 log = logging.getLogger("consumer_kit.asgi")
 
-_PRIVATE_HEADERS = frozenset({"authorization", "cookie", "proxy-authorization"})
+
+class _Handled(Protocol):
+    @property
+    def source(self) -> object: ...
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The raw body, at most ``limit`` bytes; :class:`PayloadTooLarge` before anything is hashed.
+class ServedApp(Protocol):
+    """What this module needs of a :class:`~consumer_kit.ConsumerApp`: its handlers' sources, its
+    engine (``RuntimeError`` until started), its settings, ``running()`` and ``asgi()``."""
 
-    A declared ``Content-Length`` over the limit is refused before reading; the stream is counted as
-    it arrives as well, so a lying (or absent) ``Content-Length`` cannot get more than ``limit`` in.
-    """
-    declared = request.headers.getlist("content-length")
-    if len(declared) > 1:
-        raise MalformedRequest("repeated_content_length")
-    if declared:
-        try:
-            length = int(declared[0])
-        except ValueError:
-            raise MalformedRequest("malformed_content_length") from None
-        if length > limit:
-            raise PayloadTooLarge()
-    chunks: list[bytes] = []
-    size = 0
-    try:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise PayloadTooLarge()
-            chunks.append(chunk)
-    except ClientDisconnect:
-        raise MalformedRequest("client_disconnected") from None
-    return b"".join(chunks)
+    @property
+    def specs(self) -> Sequence[_Handled]: ...
+
+    @property
+    def engine(self) -> AsyncEngine: ...
+
+    @property
+    def settings(self) -> Settings: ...
+
+    def running(self) -> contextlib.AbstractAsyncContextManager[object]: ...
+
+    def asgi(self) -> Starlette: ...
 
 
-def single_headers(request: Request, required_single: Iterable[str] = ()) -> dict[str, str]:
-    """The request's headers, lower-cased, one value each; credentials (``Authorization``,
-    ``Cookie``) left out, since the result is stored with a parked delivery.
-
-    A header named in ``required_single`` that arrives more than once is :class:`MalformedRequest`:
-    a verifier must never have to guess which of two signatures or ids was meant.
-    """
-    names = set(required_single)
-    headers: dict[str, str] = {}
-    for raw_name, raw_value in request.scope["headers"]:
-        name = raw_name.decode("latin-1").lower()
-        if name in headers and name in names:
-            raise MalformedRequest("repeated_header")
-        if name not in _PRIVATE_HEADERS:
-            headers[name] = raw_value.decode("latin-1")
-    return headers
-
-
-def respond(result: Result) -> Response:
-    """The response to a pipeline verdict (see :func:`consumer_kit.http.answer_for`)."""
-    answer = answer_for(result)
-    return JSONResponse(answer.body, status_code=answer.status, headers=answer.headers)
-
-
-def reject(source: str, exc: RequestRejected) -> Response:
-    """The response to a refused request, counted by reason (never a key, a secret or a detail)."""
-    metrics.HTTP_REJECTED.labels(source, exc.code if exc.status != 401 else "unauthenticated").inc()
-    body = {"error": "unauthenticated" if exc.status == 401 else exc.code}
-    challenge = getattr(exc, "challenge", None)
-    headers = {"WWW-Authenticate": challenge} if challenge else None
-    return JSONResponse(body, status_code=exc.status, headers=headers)
-
-
-def unavailable() -> Response:
-    """503 for a source that is not (or no longer) accepting deliveries."""
-    return JSONResponse({"error": "not_accepting"}, status_code=503, headers={"Retry-After": "1"})
-
-
-def lifespan(app: ConsumerApp) -> Callable[[Any], contextlib.AbstractAsyncContextManager[None]]:
+def lifespan(app: ServedApp) -> Callable[[Any], contextlib.AbstractAsyncContextManager[None]]:
     """A Starlette/FastAPI ``lifespan`` that runs ``app`` (start on startup, drain on shutdown)."""
 
     @contextlib.asynccontextmanager
@@ -126,7 +73,7 @@ def lifespan(app: ConsumerApp) -> Callable[[Any], contextlib.AbstractAsyncContex
     return run
 
 
-def build(app: ConsumerApp) -> Starlette:
+def build(app: ServedApp) -> Starlette:
     """The ASGI application of ``app``: its HTTP sources, ``/healthz``, ``/readyz``, ``/metrics``."""
     routes: list[Route] = []
     for spec in app.specs:
@@ -165,7 +112,7 @@ def build(app: ConsumerApp) -> Starlette:
     return Starlette(routes=routes, lifespan=lifespan(app))
 
 
-def serve(app: ConsumerApp, *, host: str, port: int, log_level: str = "info") -> None:
+def serve(app: ServedApp, *, host: str, port: int, log_level: str = "info") -> None:
     """Run ``app.asgi()`` under uvicorn until SIGTERM/SIGINT (what ``consumer-kit run`` does for an app
     with HTTP sources): uvicorn stops accepting, finishes requests, then the lifespan drains the app."""
     import signal

@@ -13,14 +13,21 @@ raise a :class:`RequestRejected`::
 
 Unverified requests are not trusted input, so they are never parked; they are counted in
 ``consumer_kit_http_rejected_total``.
+
+The Starlette side (reading a capped body, turning verdicts into responses, the base class of the
+HTTP sources) is :mod:`consumer_kit.http_intake`; this module needs no web framework, so the core
+and the CLI can import it on an installation without one. :func:`loads_json` is the JSON parser for
+request bodies: it refuses deep nesting before the standard parser recurses into it.
 """
 
 from __future__ import annotations
 
+import json
 import math
-from collections.abc import Iterable
+import re
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from consumer_kit.delivery import Outcome, Result, Settlement, Source
 from consumer_kit.errors import ConsumerKitError
@@ -31,6 +38,10 @@ if TYPE_CHECKING:
 
 DEFAULT_BODY_LIMIT = 262_144
 """256 KiB: the default cap on a request body, as the coordinator's (seed 000)."""
+
+MAX_JSON_DEPTH = 128
+"""How deeply a request's JSON may nest (arrays and objects): far more than any event or request
+needs, and far less than the interpreter's recursion limit, which a deeper document would reach."""
 
 
 class RequestRejected(ConsumerKitError):
@@ -129,3 +140,57 @@ def answer_for(result: Result) -> Answer:
 def has_http_sources(sources: Iterable[object]) -> bool:
     """Whether any of ``sources`` is served over HTTP."""
     return any(isinstance(source, HttpSource) for source in sources)
+
+
+_JSON_STRUCTURE = re.compile(r'[\[\]{}"\\]')
+
+
+def loads_json(
+    text: str | bytes,
+    *,
+    max_depth: int = MAX_JSON_DEPTH,
+    parse_float: Callable[[str], Any] | None = None,
+    parse_int: Callable[[str], Any] | None = None,
+    object_pairs_hook: Callable[[list[tuple[str, Any]]], Any] | None = None,
+) -> Any:
+    """``json.loads`` for untrusted input: bytes must be UTF-8 (RFC 8259), ``NaN`` and ``Infinity``
+    are refused (they are not JSON), and a document nested deeper than ``max_depth`` is refused
+    before it is parsed. Every refusal is a :class:`ValueError`.
+
+    The standard parser recurses once per level, so about a thousand levels (2 KB of brackets)
+    would raise ``RecursionError`` from deep inside it, or from whatever walks the result next.
+    """
+    if isinstance(text, bytes):
+        text = text.decode("utf-8")  # UnicodeDecodeError is a ValueError
+    if text.count("[") + text.count("{") > max_depth:
+        _check_depth(text, max_depth)
+    return json.loads(text, parse_float=parse_float, parse_int=parse_int,
+                      parse_constant=_refuse_constant, object_pairs_hook=object_pairs_hook)
+
+
+def _check_depth(text: str, limit: int) -> None:
+    # Only brackets, quotes and backslashes matter; a linear pass over them, skipping string contents.
+    depth = 0
+    in_string = False
+    escaped_at = -1
+    for match in _JSON_STRUCTURE.finditer(text):
+        char, at = match.group(), match.start()
+        if in_string:
+            if at == escaped_at:
+                continue
+            if char == "\\":
+                escaped_at = at + 1
+            elif char == '"':
+                in_string = False
+        elif char == '"':
+            in_string = True
+        elif char in "[{":
+            depth += 1
+            if depth > limit:
+                raise ValueError(f"JSON nested deeper than {limit} levels")
+        elif char in "]}":
+            depth -= 1
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")

@@ -71,6 +71,10 @@ class Settings(BaseSettings):
     coordinator_retry_seconds: float = Field(10.0, gt=0, description="Total time budget of one call.")
     coordinator_session_ttl_seconds: int = Field(3600, gt=0, description="TTL of pipeline sessions.")
 
+    cloudevents_max_batch_events: int = Field(
+        100, gt=0, description="Events one CloudEvents batch may hold; a larger batch is parked whole, once."
+    )
+
     rabbitmq_url: SecretStr | None = Field(
         None, description="AMQP URL of the broker (it carries credentials, so it has no default)."
     )

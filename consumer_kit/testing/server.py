@@ -1,4 +1,5 @@
-"""The coordinator server on a real loopback socket, for tests and benchmarks."""
+"""ASGI apps (the coordinator server, a worker's ``app.asgi()``) on a real loopback socket, for tests and
+benchmarks."""
 
 from __future__ import annotations
 
@@ -6,10 +7,14 @@ import asyncio
 import contextlib
 import socket
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 from consumer_kit.coordinator.embedded import EmbeddedCoordinator
 from consumer_kit.settings import Settings
 from consumer_kit.store import create_engine, ensure_schema
+
+if TYPE_CHECKING:
+    from starlette.types import ASGIApp
 
 
 def free_port() -> int:
@@ -20,29 +25,38 @@ def free_port() -> int:
 
 
 @contextlib.asynccontextmanager
+async def served_asgi(app: ASGIApp, *, log_level: str = "warning") -> AsyncIterator[str]:
+    """Serve ``app`` (lifespan on) under uvicorn on 127.0.0.1 and a free port, in this event loop;
+    yields the base URL. uvicorn's log records go to the root logger like any other (it installs no
+    logging configuration of its own), so a test sees what the server logged."""
+    import uvicorn
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level=log_level,
+                                           log_config=None, access_log=False, lifespan="on"))
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        if task.done():
+            task.result()  # raises what stopped the server
+        await asyncio.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        await task
+
+
+@contextlib.asynccontextmanager
 async def served_coordinator(settings: Settings, tokens: dict[str, tuple[str, str]]) -> AsyncIterator[str]:
     """Serve an :class:`EmbeddedCoordinator` on ``settings.database_url`` under uvicorn on 127.0.0.1 and a
     free port, in this event loop; yields the base URL. ``tokens`` maps bearer -> (tenant, application)."""
-    import uvicorn
-
     from consumer_kit.coordinator.server import create_app
 
     engine = create_engine(settings.database_url, pool_size=settings.db_pool_size)
     try:
         await ensure_schema(engine)
         app = create_app(EmbeddedCoordinator(engine, settings), tokens)
-        port = free_port()
-        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                               access_log=False, lifespan="on"))
-        task = asyncio.create_task(server.serve())
-        while not server.started:
-            if task.done():
-                task.result()  # raises what stopped the server
-            await asyncio.sleep(0.01)
-        try:
-            yield f"http://127.0.0.1:{port}"
-        finally:
-            server.should_exit = True
-            await task
+        async with served_asgi(app) as url:
+            yield url
     finally:
         await engine.dispose()

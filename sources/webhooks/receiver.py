@@ -13,34 +13,26 @@ from __future__ import annotations
 from starlette.requests import Request
 from starlette.responses import Response
 
-from consumer_kit.asgi import read_body, reject, respond, single_headers, unavailable
-from consumer_kit.delivery import CallIntake, Delivery
+from consumer_kit.delivery import Delivery, Dispatch
 from consumer_kit.errors import MissingStableId, TerminalError
-from consumer_kit.http import DEFAULT_BODY_LIMIT, RequestRejected
+from consumer_kit.http import DEFAULT_BODY_LIMIT
+from consumer_kit.http_intake import HttpIntake, respond, single_headers
 from consumer_kit.keys import OperationKey
 from sources.webhooks.verifiers import Verifier
 
 
-class WebhookSource(CallIntake):
+class WebhookSource(HttpIntake):
     """Deliveries POSTed by a webhook provider to ``path``, authenticated by ``verifier``.
 
     ``namespace`` and ``version`` form the operation key with the provider's stable id
     (``stripe-events:v1:evt_...``); ``body_limit`` caps the raw body (default 256 KiB).
     """
 
-    methods: tuple[str, ...] = ("POST",)
-
     def __init__(self, *, path: str, verifier: Verifier, namespace: str, version: int,
                  name: str | None = None, body_limit: int = DEFAULT_BODY_LIMIT) -> None:
-        if not path.startswith("/"):
-            raise ValueError("a webhook path starts with '/'")
-        OperationKey(namespace, version, "probe")  # fail at construction on a bad namespace or version
-        self.path = path
+        super().__init__(path=path, namespace=namespace, version=version,
+                         name=name or f"webhook:{namespace}", body_limit=body_limit)
         self.verifier = verifier
-        self.namespace = namespace
-        self.version = version
-        self.name = name or f"webhook:{namespace}"
-        self.body_limit = body_limit
 
     def key(self, delivery: Delivery) -> OperationKey:
         """``namespace:v<version>:<provider id>``, read by the verifier from the verified delivery."""
@@ -49,20 +41,11 @@ class WebhookSource(CallIntake):
             raise MissingStableId()
         return OperationKey(self.namespace, self.version, stable_id)
 
-
-
-
-    async def handle(self, request: Request) -> Response:
+    async def receive(self, request: Request, dispatch: Dispatch) -> Response:
         """Verify one request and answer the pipeline's verdict on it."""
-        dispatch = self._dispatch
-        if dispatch is None:
-            return unavailable()
-        try:
-            headers = single_headers(request, self.verifier.header_names)
-            body = await read_body(request, self.body_limit)
-            attributes = self.verifier.verify(headers, body)
-        except RequestRejected as exc:
-            return reject(self.name, exc)
+        headers = single_headers(request, self.verifier.header_names)
+        body = await self.read_body(request)
+        attributes = self.verifier.verify(headers, body)
         try:
             stable_id: str | None = self.verifier.stable_id(headers, body)
         except TerminalError:

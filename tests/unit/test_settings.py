@@ -16,16 +16,19 @@ def test_defaults_are_the_seeds() -> None:
     assert settings.idempotency_max_receipts_per_scope == 10_000
     assert settings.coordinator_body_limit_bytes == 262_144
     assert settings.database_url == "sqlite+aiosqlite:///consumer-kit.db"
+    assert settings.cloudevents_max_batch_events == 100
 
 
 def test_environment_names(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("IDEMPOTENCY_RETENTION_SECONDS", "100")
     monkeypatch.setenv("DATABASE_URL", "postgresql://u@h/db")
     monkeypatch.setenv("MAX_DELIVERIES", "4")
+    monkeypatch.setenv("CLOUDEVENTS_MAX_BATCH_EVENTS", "7")
     settings = Settings(_env_file=None)  # type: ignore[call-arg]
     assert settings.idempotency_retention_seconds == 100
     assert settings.database_url == "postgresql+asyncpg://u@h/db"
     assert settings.max_deliveries == 4
+    assert settings.cloudevents_max_batch_events == 7
 
 
 def test_production_database_needs_an_hmac_key() -> None:

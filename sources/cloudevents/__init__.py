@@ -1,0 +1,29 @@
+"""CloudEvents (specification v1.0.2): an HTTP sink for binary, structured and batched events, and a
+key mapper for CloudEvents carried inside RabbitMQ and SQS messages. Needs the ``cloudevents`` extra:
+``pip install 'consumer-kit[cloudevents]'``.
+
+The key is ``source`` + ``id`` (spec: "producers MUST ensure that source + id is unique for each
+distinct event"), never a transport's message id, and never a random id filled in for a missing one.
+"""
+
+try:
+    import starlette  # noqa: F401
+except ModuleNotFoundError as exc:  # pragma: no cover - depends on the installation
+    raise ImportError(
+        "sources.cloudevents needs the cloudevents extra: pip install 'consumer-kit[cloudevents]'"
+    ) from exc
+
+from sources.cloudevents.event import CloudEventDelivery, InvalidEvent, key_id
+from sources.cloudevents.queues import cloudevent_key_mapper
+from sources.cloudevents.receiver import BATCH, STRUCTURED, CloudEventsSource, TooManyEvents
+
+__all__ = [
+    "BATCH",
+    "STRUCTURED",
+    "CloudEventDelivery",
+    "CloudEventsSource",
+    "InvalidEvent",
+    "TooManyEvents",
+    "cloudevent_key_mapper",
+    "key_id",
+]
