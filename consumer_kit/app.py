@@ -288,6 +288,8 @@ class ConsumerApp:
         if isinstance(self._coordinator, HttpCoordinator) and self._given_coordinator is None:
             await self._coordinator.aclose()
         self._coordinator = None
+        if self._database is not None:
+            await self._database.close()
         if self._engine is not None:
             await self._engine.dispose()
             self._engine = self._database = None

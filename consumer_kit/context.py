@@ -9,7 +9,9 @@ import httpx
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from consumer_kit.delivery import Delivery
+from consumer_kit.errors import TerminalError
 from consumer_kit.keys import OperationKey
+from consumer_kit.store.executor import SessionUnavailable
 from consumer_kit.store.outbox import OutboxWriter
 
 if TYPE_CHECKING:
@@ -44,7 +46,13 @@ class Context:
     @property
     def db(self) -> AsyncSession:
         """An SQLAlchemy ``AsyncSession`` inside the delivery's transaction (made on first use)."""
-        return self._executor.session
+        try:
+            return self._executor.session
+        except SessionUnavailable:
+            # A programming error no retry can fix: park the delivery with the reason.
+            raise TerminalError("this handler was registered with driver='asyncpg': write through "
+                                "ctx.connection, which is inside the delivery's transaction, not ctx.db",
+                                reason="handler_misconfigured") from None
 
     @property
     def connection(self) -> Any:

@@ -111,7 +111,7 @@ class Pipeline:
         try:
             key = spec.source.key(delivery)
         except (MissingStableId, InvalidKey) as exc:
-            await self.fate.park(spec, delivery, None, exc.reason, str(exc), attempts=delivery.attempt)
+            await self.fate.park(spec, delivery, None, exc.reason, str(exc), attempts=delivery.attempt, ex=None)
             return Result(Outcome.INVALID, Settlement.DEAD_LETTER, exc.reason)
         work = Work(spec, delivery, key, self.digester.candidates(key), delivery.fingerprint())
         if spec.single_transaction:

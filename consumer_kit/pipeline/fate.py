@@ -21,7 +21,7 @@ from typing import TypeVar
 from consumer_kit import metrics
 from consumer_kit.delivery import Delivery, Outcome, Result, Settlement
 from consumer_kit.errors import LeaseLost, RetryableError, TerminalError
-from consumer_kit.pipeline.work import HandlerSpec, Stores, Work, describe, log
+from consumer_kit.pipeline.work import HandlerSpec, Stores, Work, describe, log, usable
 from consumer_kit.store import Claim, ClaimStatus
 from consumer_kit.store.executor import Executor
 
@@ -67,22 +67,23 @@ class Fate:
                 await asyncio.sleep(self._backoff(number))
         raise AssertionError("unreachable")
 
-    async def failed(self, work: Work, exc: Exception,
+    async def failed(self, work: Work, exc: Exception, ex: Executor | None,
                      give_back: Callable[[str], Awaitable[object]] | None = None) -> Result:
-        """The settlement of a delivery whose attempts ended in ``exc``. ``give_back`` releases what the
-        attempt held (the lease) before the delivery is handed back to its source."""
+        """The settlement of a delivery whose attempts ended in ``exc``, written on ``ex`` (the
+        delivery's connection, see :func:`usable`). ``give_back`` releases what the attempt held (the
+        lease) before the delivery is handed back to its source."""
         if isinstance(exc, NotAcquired):
-            return await self.not_acquired(work, exc.claim)
+            return await self.not_acquired(work, exc.claim, ex)
         if isinstance(exc, LeaseLost):
             work.log(logging.WARNING, "lease lost to another attempt; writes rolled back")
             return Result(Outcome.LEASE_LOST, Settlement.RETRY_LATER, "lease_lost",
                           delay=self.settings.retry_later_seconds, key_digest=work.digest)
         detail = describe(exc, work.key)
         if isinstance(exc, TerminalError):
-            return await self.dead(work, exc.reason, detail)
+            return await self.dead(work, exc.reason, detail, ex)
         limit = work.spec.max_deliveries or self.settings.max_deliveries
         if work.attempts >= limit:
-            return await self.dead(work, "retries_exhausted", detail)
+            return await self.dead(work, "retries_exhausted", detail, ex)
         if give_back is not None:
             await give_back(detail)
         work.log(logging.WARNING, f"handler failed; delivery {work.attempts} of {limit} will be retried ({detail})")
@@ -90,8 +91,8 @@ class Fate:
         return Result(Outcome.RETRY, Settlement.RETRY_LATER, "handler_failed",
                       delay=self.settings.retry_later_seconds if delay is None else delay, key_digest=work.digest)
 
-    async def not_acquired(self, work: Work, claim: Claim) -> Result:
-        """The settlement of a delivery whose claim found the key taken."""
+    async def not_acquired(self, work: Work, claim: Claim, ex: Executor | None) -> Result:
+        """The settlement of a delivery whose claim found the key taken (a conflict is parked on ``ex``)."""
         work.claim = claim
         if claim.status is ClaimStatus.COMPLETED:
             work.log(logging.DEBUG, "duplicate delivery acknowledged")
@@ -102,7 +103,7 @@ class Fate:
         if claim.status is ClaimStatus.CONFLICT:
             work.log(logging.WARNING, "same key, different request: parked as conflict")
             await self.park(work.spec, work.delivery, claim.digest, "conflict",
-                            "the key was first used with a different request", attempts=work.delivery.attempt)
+                            "the key was first used with a different request", attempts=work.delivery.attempt, ex=ex)
             return Result(Outcome.CONFLICT, Settlement.DEAD_LETTER, "conflict", key_digest=work.digest)
         work.log(logging.DEBUG, "delivery in progress elsewhere")
         delay = self.settings.retry_later_seconds
@@ -111,25 +112,28 @@ class Fate:
         return Result(Outcome.IN_PROGRESS, Settlement.RETRY_LATER, "in_progress", delay=delay,
                       key_digest=work.digest)
 
-    async def dead(self, work: Work, reason: str, detail: str, outcome: Outcome = Outcome.DEAD_LETTERED) -> Result:
-        """Park the delivery and its key, in one transaction."""
+    async def dead(self, work: Work, reason: str, detail: str, ex: Executor | None,
+                   outcome: Outcome = Outcome.DEAD_LETTERED) -> Result:
+        """Park the delivery and its key, in one transaction on ``ex`` (see :func:`usable`)."""
         claim = work.claim
         assert claim is not None
         stores = self.stores
-        async with stores.database.transaction() as ex:
-            await stores.inbox.mark_dead(ex, work.spec.consumer, claim.digest, claim.lease_token, reason=reason)
-            await self.park(work.spec, work.delivery, claim.digest, reason, detail, attempts=work.attempts, ex=ex)
+        async with usable(stores, ex) as on, on.begin():
+            await stores.inbox.mark_dead(on, work.spec.consumer, claim.digest, claim.lease_token, reason=reason)
+            await self.park(work.spec, work.delivery, claim.digest, reason, detail, attempts=work.attempts, ex=on)
         work.log(logging.WARNING, f"delivery parked: {reason} ({detail})")
         return Result(outcome, Settlement.DEAD_LETTER, reason, key_digest=work.digest)
 
     async def park(self, spec: HandlerSpec, delivery: Delivery, digest: str | None, reason: str, detail: str,
-                   *, attempts: int, ex: Executor | None = None) -> None:
-        """Keep the delivery (raw body, headers, reason) for an operator; never drop it."""
-        await self.stores.dead_letters.park(
-            ex, consumer=spec.consumer, source=spec.source.name, namespace=spec.source.namespace,
-            version=spec.source.version, key_digest=digest, reason=reason, detail=detail,
-            body=delivery.body, headers=delivery.headers, attempts=attempts,
-        )
+                   *, attempts: int, ex: Executor | None) -> None:
+        """Keep the delivery (raw body, headers, reason) for an operator, on ``ex`` (see :func:`usable`);
+        never drop it."""
+        async with usable(self.stores, ex) as on:
+            await self.stores.dead_letters.park(
+                on, consumer=spec.consumer, source=spec.source.name, namespace=spec.source.namespace,
+                version=spec.source.version, key_digest=digest, reason=reason, detail=detail,
+                body=delivery.body, headers=delivery.headers, attempts=attempts,
+            )
         metrics.DEAD_LETTERS.labels(spec.source.name, reason).inc()
         if digest is None:
             log.warning("delivery parked: %s (%s)", reason, detail,

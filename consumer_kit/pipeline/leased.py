@@ -65,10 +65,9 @@ class LeasedPath:
 
     async def run(self, work: Work) -> Result:
         """Claim, open the session, run the handler's attempts and settle."""
-        stores = self.stores
+        heartbeat = _Heartbeat(self.stores.settings.heartbeat_seconds, lambda: self._renew(work))
         try:
-            async with stores.database.connect() as ex:
-                return await self._run(ex, work)
+            return await self._run(work)
         except asyncio.CancelledError:
             claim = work.claim
             if claim is not None and claim.lease_token is not None:
@@ -76,34 +75,45 @@ class LeasedPath:
                 with contextlib.suppress(Exception):
                     await asyncio.shield(self._release(work, "cancelled"))
             raise
+        finally:
+            heartbeat.cancel()
 
-    async def _run(self, ex: Executor, work: Work) -> Result:
+    async def _run(self, work: Work) -> Result:
+        database = self.stores.database
+        async with database.connect() as ex:
+            settled = await self._claim(ex, work)
+            if settled is not None:
+                return settled
+            if not database.needs_session_connection(work.spec.uses_db):
+                return await self._handle(ex, work)
+        # A handler that writes through ctx.db runs on a connection that also serves SQLAlchemy.
+        async with database.connect(session=True) as ex:
+            return await self._handle(ex, work)
+
+    async def _claim(self, ex: Executor, work: Work) -> Result | None:
+        """Claim the key and open the session; the settlement when the delivery ends here."""
         spec, stores = work.spec, self.stores
         creation, invalid = self._prepare_session(work)
         claim = await stores.inbox.claim(ex, spec.consumer, work.digests, work.fingerprint,
                                          namespace=work.key.namespace, version=work.key.version,
                                          creation=creation)
         if not claim.acquired:
-            return await self.fate.not_acquired(work, claim)
+            return await self.fate.not_acquired(work, claim, ex)
         work.claim = claim
         if claim.attempts > 1:
             metrics.LEASE_TAKEOVERS.labels(spec.source.name).inc()
-        assert claim.lease_token is not None
-        token = claim.lease_token
-        heartbeat = _Heartbeat(stores.settings.heartbeat_seconds, lambda: self._renew(work, token))
-        try:
-            if invalid is not None:
-                return await self.fate.dead(work, "invalid_session_request", invalid)
-            if spec.wants_session and self.coordinator is not None:
-                opened = await self._open_session(ex, work, creation)
-                if opened is not None:
-                    return opened
-            outcome = await self.fate.attempts(work, ex, lambda: self._attempt(ex, work))
-            if isinstance(outcome, Failed):
-                return await self.fate.failed(work, outcome.error,
-                                              give_back=lambda detail: self._release(work, detail, ex))
-        finally:
-            heartbeat.cancel()
+        if invalid is not None:
+            return await self.fate.dead(work, "invalid_session_request", invalid, ex)
+        if spec.wants_session and self.coordinator is not None:
+            return await self._open_session(ex, work, creation)
+        return None
+
+    async def _handle(self, ex: Executor, work: Work) -> Result:
+        """The handler's attempts on ``ex``, and their settlement."""
+        outcome = await self.fate.attempts(work, ex, lambda: self._attempt(ex, work))
+        if isinstance(outcome, Failed):
+            return await self.fate.failed(work, outcome.error, ex,
+                                          give_back=lambda detail: self._release(work, detail, ex))
         if work.receipt is not None and self.step is None:
             await self._end_session(work)
         work.log(logging.DEBUG, "delivery processed")
@@ -165,13 +175,13 @@ class LeasedPath:
                 work.receipt = await self.coordinator.create_session(work.request, idempotency_key=key)
             return None
         except IdempotencyKeyConflict as exc:
-            return await self.fate.dead(work, exc.reason, describe(exc, work.key), Outcome.CONFLICT)
+            return await self.fate.dead(work, exc.reason, describe(exc, work.key), ex, Outcome.CONFLICT)
         except IdempotencyResultInactive as exc:
-            return await self.fate.dead(work, exc.reason, describe(exc, work.key), Outcome.INACTIVE)
+            return await self.fate.dead(work, exc.reason, describe(exc, work.key), ex, Outcome.INACTIVE)
         except TerminalError as exc:
-            return await self.fate.dead(work, exc.reason, describe(exc, work.key))
+            return await self.fate.dead(work, exc.reason, describe(exc, work.key), ex)
         except Exception as exc:
-            return await self.fate.failed(work, exc, give_back=lambda detail: self._release(work, detail, ex))
+            return await self.fate.failed(work, exc, ex, give_back=lambda detail: self._release(work, detail, ex))
 
     async def _end_session(self, work: Work) -> None:
         """End the session after the handler's transaction committed (a coordinator elsewhere); a
@@ -190,15 +200,17 @@ class LeasedPath:
         async with usable(self.stores, ex) as on:
             await self.stores.inbox.release(on, work.spec.consumer, claim.digest, claim.lease_token, error=error)
 
-    async def _renew(self, work: Work, token: str) -> None:
-        """The heartbeat: renew the lease every interval while the handler runs (on a connection of its
-        own: the delivery's is busy in its transaction)."""
+    async def _renew(self, work: Work) -> None:
+        """The heartbeat: renew the lease every interval while the delivery holds it (on a connection
+        of its own: the delivery's is busy in its transaction)."""
         stores, claim = self.stores, work.claim
-        assert claim is not None
+        if claim is None or claim.lease_token is None:
+            return  # not (yet) ours
+        token = claim.lease_token
         interval = stores.settings.heartbeat_seconds
         while True:
             try:
-                async with stores.database.connect() as ex:
+                async with usable(stores, None) as ex:
                     if not await stores.inbox.renew(ex, work.spec.consumer, claim.digest, token):
                         return  # taken over; the completion will fail and roll back
             except Exception as exc:  # the next beat may get through before the lease runs out

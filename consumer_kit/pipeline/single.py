@@ -32,28 +32,34 @@ class SinglePath:
 
     async def run(self, work: Work) -> Result:
         """Look, then claim and run in one transaction; settle."""
-        async with self.stores.database.connect() as ex:
-            return await self._run(ex, work)
-
-    async def _run(self, ex: Executor, work: Work) -> Result:
         stores, spec = self.stores, work.spec
-        existing = await stores.inbox.lookup(ex, spec.consumer, work.digests)
-        if existing is not None and not claimable(existing, work.fingerprint, stores.inbox.clock()):
-            return await self.fate.not_acquired(work, verdict(existing, work.fingerprint))
+        database = stores.database
+        async with database.connect() as ex:
+            existing = await stores.inbox.lookup(ex, spec.consumer, work.digests)
+            if existing is not None and not claimable(existing, work.fingerprint, stores.inbox.clock()):
+                return await self.fate.not_acquired(work, verdict(existing, work.fingerprint), ex)
+            if not database.needs_session_connection(spec.uses_db):
+                return await self._handle(ex, work)
+        # A handler that writes through ctx.db runs on a connection that also serves SQLAlchemy.
+        async with database.connect(session=True) as ex:
+            return await self._handle(ex, work)
+
+    async def _handle(self, ex: Executor, work: Work) -> Result:
+        stores, spec = self.stores, work.spec
         outcome = await self.fate.attempts(work, ex, lambda: self._attempt(ex, work))
         if not isinstance(outcome, Failed):
             work.log(logging.DEBUG, "delivery processed")
             return Result(Outcome.PROCESSED, Settlement.ACK, key_digest=work.digest)
         error = outcome.error
         if isinstance(error, NotAcquired):
-            return await self.fate.not_acquired(work, error.claim)
+            return await self.fate.not_acquired(work, error.claim, ex)
         # Remember the failed attempt (unleased), so that the count survives redeliveries.
         async with usable(stores, ex) as on:
             attempts = await stores.inbox.record_failure(
                 on, spec.consumer, work.digests, work.fingerprint, namespace=work.key.namespace,
                 version=work.key.version, error=describe(error, work.key))
         work.claim = Claim(ClaimStatus.ACQUIRED, work.digests[0], attempts)
-        return await self.fate.failed(work, error)
+        return await self.fate.failed(work, error, ex)
 
     async def _attempt(self, ex: Executor, work: Work) -> None:
         stores, spec = self.stores, work.spec

@@ -40,6 +40,11 @@ class HandlerSpec:
     driver: str = "sqlalchemy"  # or "asyncpg": the handler uses ctx.connection (PostgreSQL on asyncpg)
 
     @property
+    def uses_db(self) -> bool:
+        """Whether the handler may write through ``ctx.db`` (it was not registered ``driver="asyncpg"``)."""
+        return self.driver != "asyncpg"
+
+    @property
     def wants_session(self) -> bool:
         """Whether deliveries of this handler get a coordinator session."""
         return bool(self.labels or self.task)
@@ -91,11 +96,13 @@ class Stores:
 
 @contextlib.asynccontextmanager
 async def usable(stores: Stores, ex: Executor | None) -> AsyncIterator[Executor]:
-    """``ex``, or a connection of its own when there is none or ``ex`` was discarded (lost)."""
+    """``ex`` (the delivery's connection), or, when there is none or it was discarded (lost), one of
+    SQLAlchemy's pool: never a second connection of the store's own pool, which every delivery could
+    be holding while it waited for one."""
     if ex is not None and not ex.discarded:
         yield ex
         return
-    async with stores.database.connect() as own:
+    async with stores.database.connect(session=True) as own:
         yield own
 
 

@@ -51,6 +51,11 @@ if TYPE_CHECKING:
 log = logging.getLogger("consumer_kit.store")
 
 T = TypeVar("T")
+
+
+class SessionUnavailable(RuntimeError):
+    """``ctx.db`` on a connection checked out without an SQLAlchemy session (``driver="asyncpg"``)."""
+
 Row = Mapping[str, Any]
 Params = Mapping[str, Any]
 
@@ -214,9 +219,16 @@ class AsyncpgExecutor(Executor):
 
     dialect = "postgresql"
 
-    def __init__(self, conn: AsyncConnection, driver: asyncpg.Connection) -> None:
-        self._conn = conn
+    def __init__(self, driver: asyncpg.Connection, conn: AsyncConnection | None = None) -> None:
         self._driver = driver
+        if conn is not None:
+            self._conn = conn
+
+    @property
+    def session(self) -> AsyncSession:
+        if not hasattr(self, "_conn"):
+            raise SessionUnavailable("this connection was checked out without an SQLAlchemy session")
+        return super().session
 
     @property
     def driver(self) -> asyncpg.Connection:
@@ -264,7 +276,7 @@ class AsyncpgExecutor(Executor):
         finally:
             # Not settled: start, commit or rollback was interrupted (cancelled, or the connection
             # failed), so whether a transaction is still open is unknown. Never let it be pooled.
-            if not settled or driver.is_in_transaction():
+            if not settled or (not self.discarded and driver.is_in_transaction()):
                 self.discard()
 
     def discard(self) -> None:
@@ -276,59 +288,135 @@ class AsyncpgExecutor(Executor):
 
 
 class Database:
-    """The store's database: the app's SQLAlchemy engine and the executor chosen once for its driver."""
+    """The store's database: the app's SQLAlchemy engine, and the executor chosen once for its driver.
 
-    def __init__(self, engine: AsyncEngine) -> None:
+    On asyncpg the store's own statements (claims, lookups, completions of handlers registered with
+    ``driver="asyncpg"``) run on a small asyncpg pool the store owns outright, made on first use and
+    sized like the engine's pool: an asyncpg checkout costs a fifth of an SQLAlchemy one (whose
+    async layer is three greenlet switches a checkout). Work that needs ``ctx.db`` takes an
+    SQLAlchemy connection (``connect(session=True)``), and so does lease upkeep (renewals, releases),
+    so that handlers holding every store connection cannot starve it.
+    """
+
+    def __init__(self, engine: AsyncEngine, *, pool_size: int | None = None) -> None:
         self.engine = engine
         self.dialect = engine.dialect.name
         self.asyncpg = engine.dialect.driver == "asyncpg"
+        self._pool: asyncpg.Pool | None = None
+        self._pool_size = pool_size or _pool_size(engine)
         if self.asyncpg:
             # Autocommit: SQLAlchemy never begins or ends a transaction on these connections; the
             # executor's own (asyncpg) transactions do. The option only changes a flag per checkout.
             self._engine = engine.execution_options(isolation_level="AUTOCOMMIT")
             if not event.contains(engine.sync_engine, "checkout", _refuse_in_doubt):
                 event.listen(engine.sync_engine, "checkout", _refuse_in_doubt)
+            # The engine's disposal closes the store's pool too (abruptly: nothing is in flight then).
+            event.listen(engine.sync_engine, "engine_disposed", lambda _engine: self._terminate())
         else:
             self._engine = engine
 
     @contextlib.asynccontextmanager
-    async def connect(self) -> AsyncIterator[Executor]:
-        """A connection from the pool for a unit of work; statements autocommit outside ``begin()``."""
+    async def connect(self, *, session: bool = False) -> AsyncIterator[Executor]:
+        """A connection for a unit of work; statements autocommit outside ``begin()``. ``session``: it
+        also serves an SQLAlchemy ``AsyncSession`` (``ctx.db``)."""
         if not self.asyncpg:
-            conn = self._engine.connect()
-            try:
-                await _to_the_end(conn.start())
-            except BaseException:  # cancelled once it was checked out: give it back
-                if conn.sync_connection is not None:
-                    await _to_the_end(conn.close())
-                raise
-            executor: Executor = SqlAlchemyExecutor(conn)
-            try:
+            async with self._sqlalchemy() as executor:
                 yield executor
-            finally:
+        elif session:
+            async with self._engine.connect() as conn:
+                raw = await conn.get_raw_connection()
+                executor = AsyncpgExecutor(raw.driver_connection, conn)
                 try:
-                    await executor.close_session()
+                    yield executor
                 finally:
-                    await _to_the_end(conn.close())
-            return
-        async with self._engine.connect() as conn:
-            raw = await conn.get_raw_connection()
-            executor = AsyncpgExecutor(conn, raw.driver_connection)
-            try:
-                yield executor
-            finally:
+                    try:
+                        await executor.close_session()
+                    finally:
+                        if executor.discarded or executor.driver.is_in_transaction():
+                            executor.discard()
+                            await conn.invalidate()
+        else:
+            pool = self._pool or await self._open_pool()
+            # asyncpg shields its own release; a connection still inside a transaction is rolled back
+            # by it, and one the executor terminated is replaced.
+            async with pool.acquire() as driver:
+                executor = AsyncpgExecutor(driver)
                 try:
-                    await executor.close_session()
+                    yield executor
                 finally:
-                    if executor.discarded or executor.driver.is_in_transaction():
+                    if not executor.discarded and driver.is_in_transaction():
                         executor.discard()
-                        await conn.invalidate()
+
+    async def _open_pool(self) -> asyncpg.Pool:
+        import asyncpg
+
+        if self._pool is None:
+            dsn = self.engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
+            pool = await asyncpg.create_pool(dsn, min_size=1, max_size=self._pool_size, init=_json_codec,
+                                             reset=_transaction_scoped_reset)
+            if self._pool is None:
+                self._pool = pool
+            else:  # another task opened it meanwhile
+                await pool.close()
+        assert self._pool is not None
+        return self._pool
+
+    async def close(self) -> None:
+        """Close the store's own pool, if it opened one (the engine is the caller's)."""
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            await pool.close()
+
+    def _terminate(self) -> None:
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.terminate()
 
     @contextlib.asynccontextmanager
-    async def transaction(self, *, deferred: bool = False) -> AsyncIterator[Executor]:
-        """A connection inside a transaction, for one short unit of work."""
-        async with self.connect() as executor, executor.begin(deferred=deferred):
+    async def _sqlalchemy(self) -> AsyncIterator[Executor]:
+        conn = self._engine.connect()
+        try:
+            await _to_the_end(conn.start())
+        except BaseException:  # cancelled once it was checked out: give it back
+            if conn.sync_connection is not None:
+                await _to_the_end(conn.close())
+            raise
+        executor = SqlAlchemyExecutor(conn)
+        try:
             yield executor
+        finally:
+            try:
+                await executor.close_session()
+            finally:
+                await _to_the_end(conn.close())
+
+    def needs_session_connection(self, uses_db: bool) -> bool:
+        """Whether work that uses ``ctx.db`` needs a connection of the other kind (asyncpg only)."""
+        return self.asyncpg and uses_db
+
+    @contextlib.asynccontextmanager
+    async def transaction(self, *, deferred: bool = False, session: bool = False) -> AsyncIterator[Executor]:
+        """A connection inside a transaction, for one short unit of work."""
+        async with self.connect(session=session) as executor, executor.begin(deferred=deferred):
+            yield executor
+
+
+def _pool_size(engine: AsyncEngine) -> int:
+    size = getattr(engine.pool, "size", None)
+    return int(size()) if callable(size) else 5
+
+
+async def _json_codec(connection: asyncpg.Connection) -> None:
+    """The store's pool reads and writes JSON as SQLAlchemy's asyncpg dialect sets it up (text in,
+    parsed values out), so that statements behave the same on either kind of connection."""
+    await connection.set_type_codec("json", encoder=str.encode, decoder=lambda value: json.loads(value.decode()),
+                                    schema="pg_catalog", format="binary")
+
+
+async def _transaction_scoped_reset(connection: asyncpg.Connection) -> None:
+    """Pool reset: nothing beyond what asyncpg always does (end a transaction left open). Like
+    SQLAlchemy's pool, the store's resets only what a transaction scopes: its statements change no
+    session state, and asyncpg's full reset would cost a round trip per checkout."""
 
 
 def _refuse_in_doubt(dbapi_connection: Any, _record: Any, _proxy: Any) -> None:
