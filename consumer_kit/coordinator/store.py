@@ -411,6 +411,28 @@ class ReceiptStore:
                 break
         return total
 
+    async def delegation_source(self, tenant: str, application: str, session_id: str,
+                                digests: Sequence[str]) -> tuple[str | None, str | None]:
+        """What a delegation from ``session_id`` needs to know before it is created: whether that session
+        is in the scope (``"active"``, ``"inactive"`` once ended, revoked or expired, ``None`` when there
+        is no such session of this tenant and application), and the fingerprint of the live delegation
+        receipt under one of ``digests`` (current HMAC key first; ``None`` when there is none)."""
+        now = self.clock()
+        async with self.engine.connect() as conn:
+            session = (await conn.execute(select(resources.c.status, resources.c.expires_at).where(
+                resources.c.id == session_id, resources.c.tenant == tenant,
+                resources.c.application == application, resources.c.kind == "session"))).first()
+            fingerprints: dict[str, str] = {}
+            if digests:
+                fingerprints = {row.key_digest: row.fingerprint for row in await conn.execute(
+                    select(receipts.c.key_digest, receipts.c.fingerprint).where(
+                        receipts.c.tenant == tenant, receipts.c.application == application,
+                        receipts.c.operation == "delegation", receipts.c.key_digest.in_(digests),
+                        receipts.c.expires_at > now))}
+        state = None if session is None else (
+            "active" if session.status == "active" and session.expires_at > now else "inactive")
+        return state, next((fingerprints[d] for d in digests if d in fingerprints), None)
+
     async def stats(self) -> tuple[int, datetime | None]:
         """``(receipts, oldest created_at)`` over every scope, for the gauges."""
         async with self.engine.connect() as conn:
