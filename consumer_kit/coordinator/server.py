@@ -19,7 +19,7 @@ from typing import Any
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
@@ -44,6 +44,22 @@ class _TooLarge(Exception):
     """The request body is over COORDINATOR_BODY_LIMIT_BYTES."""
 
 
+MAX_JSON_DEPTH = 32
+"""Request bodies nested deeper (objects and arrays) are ``400 invalid_request``: no request field needs
+it, and deep nesting costs recursion in parsing, validation and the fingerprint."""
+
+
+def _deeper_than(value: Any, limit: int) -> bool:
+    """Whether ``value`` nests objects or arrays more than ``limit`` levels deep (without recursion)."""
+    level: list[Any] = [value]
+    for _ in range(limit):
+        level = [child for item in level if isinstance(item, dict | list)
+                 for child in (item.values() if isinstance(item, dict) else item)]
+        if not level:
+            return False
+    return any(isinstance(item, dict | list) for item in level)
+
+
 def _error(status: int, code: str) -> JSONResponse:
     return JSONResponse({"error": code}, status_code=status)
 
@@ -57,7 +73,10 @@ def create_app(coordinator: EmbeddedCoordinator, tokens: dict[str, tuple[str, st
     by_digest = {hashlib.sha256(t.encode()).digest(): coordinator.scoped(*scope) for t, scope in tokens.items()}
 
     def authenticate(request: Request) -> EmbeddedCoordinator | None:
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        credentials = request.headers.getlist("authorization")
+        if len(credentials) != 1:  # none, or two to choose from: we never pick one
+            return None
+        scheme, _, token = credentials[0].partition(" ")
         if scheme.lower() != "bearer" or not token:
             return None
         return by_digest.get(hashlib.sha256(token.strip().encode()).digest())
@@ -73,13 +92,23 @@ def create_app(coordinator: EmbeddedCoordinator, tokens: dict[str, tuple[str, st
             if size > limit:
                 raise _TooLarge()
             chunks.append(chunk)
-        return json.loads(b"".join(chunks))
+        try:
+            payload = json.loads(b"".join(chunks))
+        except RecursionError:  # nested deeper than the interpreter's stack: bad input, not a crash
+            raise ValueError("nested too deeply") from None
+        if _deeper_than(payload, MAX_JSON_DEPTH):
+            raise ValueError("nested too deeply")
+        return payload
 
     async def create(request: Request, operation: str) -> Response:
         scoped = authenticate(request)
         if scoped is None:
             return _error(401, "unauthorized")
-        key = request.headers.get("idempotency-key")
+        keys = request.headers.getlist("idempotency-key")
+        if len(keys) > 1:  # which one was meant? Never pick one (as the webhook receiver with signatures)
+            metrics.REQUESTS.labels("invalid").inc()
+            return _error(400, "invalid_idempotency_key")
+        key = keys[0] if keys else None
         if key is not None:
             try:
                 # Starlette decodes header bytes as latin-1; keys are UTF-8 (seed 000 counts UTF-8 bytes).
@@ -93,6 +122,8 @@ def create_app(coordinator: EmbeddedCoordinator, tokens: dict[str, tuple[str, st
             return _error(413, "body_too_large")
         except ValueError:
             return _error(400, "invalid_request")
+        except ClientDisconnect:  # gone, or cut off for sending too slowly: nobody reads an answer
+            return _error(400, "client_disconnected")
         generated = request.headers.get(GENERATED_HEADER, "").lower() == "generated"
         try:
             if operation == "session":
