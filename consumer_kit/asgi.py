@@ -17,6 +17,7 @@ and the one mapping of verdicts and rejections to responses.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable, Iterable
@@ -165,22 +166,33 @@ def build(app: ConsumerApp) -> Starlette:
     return Starlette(routes=routes, lifespan=lifespan(app))
 
 
-def serve(app: ConsumerApp, *, host: str, port: int, log_level: str = "info") -> None:
-    """Run ``app.asgi()`` under uvicorn until SIGTERM/SIGINT (what ``consumer-kit run`` does for an app
-    with HTTP sources): uvicorn stops accepting, finishes requests, then the lifespan drains the app."""
-    import signal
+async def serve(app: ConsumerApp, *, host: str, port: int, log_level: str = "info",
+                stop: asyncio.Event | None = None) -> None:
+    """Start ``app``, serve ``app.asgi()`` under uvicorn until SIGTERM/SIGINT (or ``stop``), then drain
+    (what ``consumer-kit run`` does for an app with HTTP sources).
 
+    The app is started here, before uvicorn listens, rather than by uvicorn's lifespan, so that a stop
+    signal during a slow start-up cancels it (uvicorn would only note the signal and wait for the
+    start-up to end). On a stop uvicorn stops accepting and finishes the requests in flight (at most
+    ``SHUTDOWN_GRACE_SECONDS``), then the app drains. Requests are bounded as
+    :mod:`consumer_kit.httpserver` says.
+    """
     import uvicorn
 
-    config = uvicorn.Config(
-        app.asgi(), host=host, port=port, lifespan="on", log_level=log_level.lower(),
-        timeout_graceful_shutdown=int(app.settings.shutdown_grace_seconds) or None,
-    )
-    # uvicorn re-raises the signal that stopped it once it has shut down, to the handlers that were
-    # installed before; these ignore it, so a drained worker exits 0 as the non-HTTP `run` does.
-    previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}
+    from consumer_kit.httpserver import serve_until, server_config
+    from consumer_kit.signals import StopRequested, stop_event, unless_stopped
+
+    stop = stop if stop is not None else stop_event()
+    config = server_config(app.asgi(), app.settings, host=host, port=port, lifespan="off",
+                           log_level=log_level.lower(),
+                           timeout_graceful_shutdown=int(app.settings.shutdown_grace_seconds) or None)
     try:
-        uvicorn.Server(config).run()
+        await unless_stopped(app.start(), stop)
+    except StopRequested:
+        await app.stop(grace=0)  # closes whatever the cancelled start-up had opened
+        log.info("stop signal during start-up: stopped before serving")
+        return
+    try:
+        await serve_until(uvicorn.Server(config), stop)
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        await app.stop()

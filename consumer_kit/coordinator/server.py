@@ -32,8 +32,10 @@ from consumer_kit.errors import (
     InvalidKey,
     ReceiptLimitExceeded,
 )
+from consumer_kit.httpserver import serve_until, server_config
 from consumer_kit.keys import validate_key
 from consumer_kit.settings import Settings
+from consumer_kit.signals import StopRequested, stop_event, unless_stopped
 from consumer_kit.store import create_engine, ensure_schema
 from consumer_kit.store.pglane import PgLane
 
@@ -206,23 +208,34 @@ async def _sweep_forever(coordinator: EmbeddedCoordinator, interval: float) -> N
         await asyncio.sleep(interval)
 
 
-async def serve(settings: Settings, *, host: str = "127.0.0.1", port: int = 8080) -> None:
-    """Serve the coordinator on ``settings.database_url`` until SIGINT/SIGTERM (uvicorn handles them)."""
+async def serve(settings: Settings, *, host: str = "127.0.0.1", port: int = 8080,
+                stop: asyncio.Event | None = None) -> None:
+    """Serve the coordinator on ``settings.database_url`` until SIGTERM/SIGINT (or ``stop``), then stop
+    gracefully. A stop while the database is being prepared cancels that and closes what it opened.
+    Requests are bounded as :mod:`consumer_kit.httpserver` says."""
     import uvicorn
 
+    stop = stop if stop is not None else stop_event()
     tokens = settings.coordinator_scopes()
     if not tokens:
         log.warning("COORDINATOR_TOKENS is empty: every request will be refused with 401")
     engine = create_engine(settings.database_url, pool_size=settings.db_pool_size)
     lane: PgLane | None = None
-    try:
+
+    async def prepare() -> PgLane | None:
         await ensure_schema(engine)
-        lane = await PgLane.for_engine(engine, size=settings.db_pool_size)
+        return await PgLane.for_engine(engine, size=settings.db_pool_size)
+
+    try:
+        lane = await unless_stopped(prepare(), stop)
         coordinator = EmbeddedCoordinator(engine, settings, digester=settings.digester(), lane=lane)
         app = create_app(coordinator, tokens, sweep_interval=settings.sweep_interval_seconds)
-        config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
-                                lifespan="on")
-        await uvicorn.Server(config).serve()
+        config = server_config(app, settings, host=host, port=port, log_level="warning", access_log=False,
+                               lifespan="on",
+                               timeout_graceful_shutdown=int(settings.shutdown_grace_seconds) or None)
+        await serve_until(uvicorn.Server(config), stop)
+    except StopRequested:
+        log.info("stop signal during start-up: stopped before serving")
     finally:
         if lane is not None:
             await lane.close()

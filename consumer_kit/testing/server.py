@@ -23,10 +23,12 @@ def free_port() -> int:
 @contextlib.asynccontextmanager
 async def served_coordinator(settings: Settings, tokens: dict[str, tuple[str, str]]) -> AsyncIterator[str]:
     """Serve an :class:`EmbeddedCoordinator` on ``settings.database_url`` under uvicorn on 127.0.0.1 and a
-    free port, in this event loop; yields the base URL. ``tokens`` maps bearer -> (tenant, application)."""
+    free port, in this event loop, configured as ``consumer-kit coordinator serve`` is; yields the base URL.
+    ``tokens`` maps bearer -> (tenant, application)."""
     import uvicorn
 
     from consumer_kit.coordinator.server import create_app
+    from consumer_kit.httpserver import server_config
 
     engine = create_engine(settings.database_url, pool_size=settings.db_pool_size)
     lane: PgLane | None = None
@@ -35,8 +37,8 @@ async def served_coordinator(settings: Settings, tokens: dict[str, tuple[str, st
         lane = await PgLane.for_engine(engine, size=settings.db_pool_size)
         app = create_app(EmbeddedCoordinator(engine, settings, lane=lane), tokens)
         port = free_port()
-        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                               access_log=False, lifespan="on"))
+        server = uvicorn.Server(server_config(app, settings, host="127.0.0.1", port=port, log_level="warning",
+                                              access_log=False, lifespan="on"))
         task = asyncio.create_task(server.serve())
         while not server.started:
             if task.done():
