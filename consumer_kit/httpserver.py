@@ -72,6 +72,7 @@ class BoundedHttp(asyncio.Protocol):
         self._transport: asyncio.Transport | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._refused = False
+        self._upgraded = False
         self._messages = 0  # requests begun on this connection
         self.in_head = False  # inside a request head (begun, headers not complete)
         self.head_bytes = 0  # bytes of the current head seen in completed parts (URL, header lines)
@@ -86,14 +87,18 @@ class BoundedHttp(asyncio.Protocol):
         self._inner.connection_made(self._transport)
 
     def data_received(self, data: bytes) -> None:
-        if self._refused:
-            return  # lingering: read and discarded
+        if self._refused or self._upgraded:
+            return  # lingering after a refusal, or bytes past an upgrade request: discarded
         if self._parser is not None:
             before, was_in_head = self._messages, self.in_head
             try:
                 self._parser.feed_data(data)
             except httptools.HttpParserUpgrade:
-                self._untrack()  # none of our servers upgrades; uvicorn answers the request
+                # None of our servers upgrades: uvicorn answers the request, and its parser, stopped at
+                # the upgrade, reads nothing after it. Neither do we, so that bytes trickling in cannot
+                # keep resetting uvicorn's keep-alive timer; it closes the connection after the answer.
+                self._upgraded = True
+                self._disarm()
             except httptools.HttpParserError:
                 self._untrack()  # uvicorn's parser fails on the same bytes and answers 400
             if self.in_head and was_in_head and before == self._messages:
@@ -129,7 +134,8 @@ class BoundedHttp(asyncio.Protocol):
         self._disarm()
 
     def _untrack(self) -> None:
-        """Stop framing (the stream is no longer HTTP we can follow); the connection closes at the bound."""
+        """Stop framing (the stream is no longer HTTP we can follow); the connection closes at the bound
+        at the latest (uvicorn closes it at once after its 400)."""
         self._parser = None
         self.in_head = False
         if self._timer is None:

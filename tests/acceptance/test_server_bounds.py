@@ -32,10 +32,11 @@ class Served(NamedTuple):
     post_path: str  # where the server reads a request body
 
 
-@pytest.fixture(params=["worker", "coordinator"])
-def server(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Served]:
+@pytest.fixture(scope="module", params=["worker", "coordinator"])
+def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     """A served worker (the Stripe example: an HTTP source) or coordinator with a 1 s request bound and
-    4 KiB heads; after the test, SIGTERM and an exit status of 0."""
+    4 KiB heads, for all the tests of this module; then SIGTERM and an exit status of 0."""
+    tmp_path = tmp_path_factory.mktemp(request.param)
     port = free_port()
     env = {**os.environ, "DATABASE_URL": f"sqlite:///{tmp_path}/server.db", "IDEMPOTENCY_HMAC_KEY": TEST_HMAC_KEY,
            "HTTP_REQUEST_TIMEOUT_SECONDS": str(BOUND_SECONDS), "HTTP_MAX_HEADER_BYTES": str(MAX_HEADER_BYTES),
@@ -157,6 +158,14 @@ async def test_a_body_sent_slowly_is_cut_off(server: Served) -> None:
             f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
     received = await cut_off_while_trickling(server.base, head, body)
     assert received == b"", received[:100]  # the application was still reading: nothing to answer
+
+
+async def test_an_upgrade_request_does_not_hold_the_connection(server: Served) -> None:
+    # Served like any request (we speak no WebSocket or h2c); what follows is not read, so trickling
+    # bytes cannot keep the connection open past uvicorn's keep-alive.
+    head = b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: h2c\r\n\r\n"
+    received = await cut_off_while_trickling(server.base, head, b"x" * 200)
+    assert received.startswith(b"HTTP/1.1 200 "), received[:100]
 
 
 async def test_a_silent_connection_is_closed(server: Served) -> None:
