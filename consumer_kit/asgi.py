@@ -180,19 +180,10 @@ async def serve(app: ConsumerApp, *, host: str, port: int, log_level: str = "inf
     import uvicorn
 
     from consumer_kit.httpserver import serve_until, server_config
-    from consumer_kit.signals import StopRequested, stop_event, unless_stopped
+    from consumer_kit.signals import run_app, stop_event
 
     stop = stop if stop is not None else stop_event()
     config = server_config(app.asgi(), app.settings, host=host, port=port, lifespan="off",
                            log_level=log_level.lower(),
                            timeout_graceful_shutdown=int(app.settings.shutdown_grace_seconds) or None)
-    try:
-        await unless_stopped(app.start(), stop)
-    except StopRequested:
-        await app.stop(grace=0)  # closes whatever the cancelled start-up had opened
-        log.info("stop signal during start-up: stopped before serving")
-        return
-    try:
-        await serve_until(uvicorn.Server(config), stop)
-    finally:
-        await app.stop()
+    await run_app(app, stop, lambda: serve_until(uvicorn.Server(config), stop))

@@ -32,7 +32,7 @@ from consumer_kit.app import ConsumerApp
 from consumer_kit.errors import ConfigurationError
 from consumer_kit.http import has_http_sources
 from consumer_kit.settings import Settings
-from consumer_kit.signals import StopRequested, StopSignals, unless_stopped
+from consumer_kit.signals import StopRequested, StopSignals, run_app
 from consumer_kit.store import DeadLetters, create_engine, ensure_schema, schema_revisions, upgrade
 
 Command = Callable[[argparse.Namespace], int]
@@ -75,26 +75,10 @@ def _run(args: argparse.Namespace) -> int:
             run_async(_with_stop(signals, lambda stop: serve(
                 app, host=args.host, port=args.port, log_level=args.log_level, stop=stop)))
         else:
-            run_async(_with_stop(signals, lambda stop: _work(app, stop)))
+            run_async(_with_stop(signals, lambda stop: run_app(app, stop)))
     finally:
         signals.install()  # the loop's handlers went with it; a late signal must not kill the exit
     return 0
-
-
-async def _work(app: ConsumerApp, stop: asyncio.Event) -> None:
-    """Run an app without HTTP sources until ``stop``, then drain it; a stop during the start-up
-    cancels the start-up (a source's start may wait on its broker for long)."""
-    try:
-        await unless_stopped(app.start(), stop)
-    except StopRequested:
-        await app.stop(grace=0)  # closes whatever the cancelled start-up had opened
-        log.info("stop signal during start-up: stopped before serving")
-        return
-    try:
-        await stop.wait()
-        log.info("signal received: draining")
-    finally:
-        await app.stop()
 
 
 async def _with_stop(signals: StopSignals, main: Callable[[asyncio.Event], Awaitable[T]]) -> T:

@@ -17,12 +17,17 @@ its server runs; hence handlers of our own from the first statement of the comma
 from __future__ import annotations
 
 import asyncio
+import logging
 import signal
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from types import FrameType
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
+
+if TYPE_CHECKING:
+    from consumer_kit.app import ConsumerApp
 
 T = TypeVar("T")
+log = logging.getLogger("consumer_kit.signals")
 
 HANDLED = (signal.SIGTERM, signal.SIGINT)
 
@@ -100,3 +105,23 @@ async def unless_stopped(work: Awaitable[T], stop: asyncio.Event) -> T:
             raise  # we were cancelled ourselves, not only the start-up
         raise StopRequested(0) from None
     return result  # the start-up finished despite the cancellation
+
+
+async def run_app(app: ConsumerApp, stop: asyncio.Event,
+                  serving: Callable[[], Awaitable[None]] | None = None) -> None:
+    """Start ``app``, then run ``serving()`` (by default: wait for ``stop``), then drain and close the app.
+    A stop during the start-up cancels it and closes what it had opened."""
+    try:
+        await unless_stopped(app.start(), stop)
+    except StopRequested:
+        await app.stop(grace=0)
+        log.info("stop signal during start-up: stopped before serving")
+        return
+    try:
+        if serving is not None:
+            await serving()
+        else:
+            await stop.wait()
+            log.info("signal received: draining")
+    finally:
+        await app.stop()

@@ -7,10 +7,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
@@ -20,6 +18,7 @@ import pytest
 
 from consumer_kit.testing.server import free_port
 from tests.conftest import TEST_HMAC_KEY
+from tests.processes import stop_cleanly, wait_until_served
 
 ROOT = Path(__file__).resolve().parents[2]
 BOUND_SECONDS = 1
@@ -46,27 +45,10 @@ def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
                                cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"{base}/healthz", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if process.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"the {request.param} did not start")
-            time.sleep(0.1)
+        wait_until_served(process, f"{base}/healthz")
         yield Served(base, "/stripe/webhooks" if request.param == "worker" else "/v1/sessions")
     finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            output, _ = process.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            output, _ = process.communicate()
-            pytest.fail(f"the {request.param} did not stop on SIGTERM:\n{output}")
-    assert process.returncode == 0, output
-    assert "Traceback" not in output, output
+        stop_cleanly(process)
 
 
 async def connect(base: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:

@@ -5,7 +5,6 @@ with and without HTTP sources). The served coordinator's SIGTERM is in test_cli_
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -15,6 +14,7 @@ import pytest
 
 from consumer_kit.testing.server import free_port
 from tests.conftest import TEST_HMAC_KEY
+from tests.processes import stop_cleanly
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -102,16 +102,7 @@ class Worker:
 
     def terminate(self) -> str:
         """SIGTERM; the output, once the process exited 0 without a traceback."""
-        self.process.send_signal(signal.SIGTERM)
-        try:
-            output, _ = self.process.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            output, _ = self.process.communicate()
-            pytest.fail(f"still running 30 s after SIGTERM: {self.lines()}\n{output}")
-        assert self.process.returncode == 0, output
-        assert "Traceback" not in output, output
-        return output
+        return stop_cleanly(self.process)
 
 
 def test_sigterm_while_the_app_module_is_imported(tmp_path: Path) -> None:
