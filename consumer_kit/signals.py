@@ -19,9 +19,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from types import FrameType
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
     from consumer_kit.app import ConsumerApp
@@ -73,18 +73,26 @@ class StopSignals:
 
 
 def stop_event() -> asyncio.Event:
-    """An event set when the process gets SIGTERM or SIGINT (handlers on the running loop)."""
+    """An event set when the process gets SIGTERM or SIGINT (handlers on the running loop). Outside the
+    main thread, or where the loop takes no signal handlers (Windows), it is only set by its owner."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in HANDLED:
-        loop.add_signal_handler(sig, stop.set)
+    try:
+        for sig in HANDLED:
+            loop.add_signal_handler(sig, stop.set)
+    except (ValueError, RuntimeError, NotImplementedError):
+        pass  # signals go to the main thread's loop; uvicorn, when it serves, takes them itself
     return stop
 
 
-async def unless_stopped(work: Awaitable[T], stop: asyncio.Event) -> T:
+async def unless_stopped(work: Coroutine[Any, Any, T], stop: asyncio.Event) -> T:
     """Await ``work`` (a start-up) unless ``stop`` is set first: then cancel it, let it unwind, and
-    raise :class:`StopRequested`. What ``work`` raises propagates; if both finish together, ``work``
-    wins (the caller then sees ``stop`` set and stops gracefully)."""
+    raise :class:`StopRequested` (without starting it at all if ``stop`` is set already). What ``work``
+    raises propagates; if both finish together, ``work`` wins (the caller then sees ``stop`` set and
+    stops gracefully)."""
+    if stop.is_set():
+        work.close()
+        raise StopRequested(0)
     task = asyncio.ensure_future(work)
     waiter = asyncio.ensure_future(stop.wait())
     try:
