@@ -7,9 +7,11 @@
   otherwise;
 - ``GET /metrics``: the Prometheus exposition.
 
-Its lifespan starts and stops the ConsumerApp (``app.running()``), so uvicorn (``consumer-kit run``)
-drives the whole worker. Mounted inside another Starlette or FastAPI app, whose router does not run
-a mounted app's lifespan, give the parent ``lifespan=consumer_kit.asgi.lifespan(app)``.
+Its lifespan starts and stops the ConsumerApp (``app.running()``) when another server runs it (say
+``uvicorn module:app.asgi()``); ``consumer-kit run`` starts the app itself before it listens
+(:func:`serve`), so that a stop signal during a slow start-up cancels it. Mounted inside another
+Starlette or FastAPI app, whose router does not run a mounted app's lifespan, give the parent
+``lifespan=consumer_kit.asgi.lifespan(app)``.
 
 The request helpers and the base class of the HTTP sources are in :mod:`consumer_kit.http_intake`;
 this module needs of the app only :class:`ServedApp`, so it imports nothing of :mod:`consumer_kit.app`.
@@ -17,6 +19,7 @@ this module needs of the app only :class:`ServedApp`, so it imports nothing of :
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -46,7 +49,8 @@ class _Handled(Protocol):
 
 class ServedApp(Protocol):
     """What this module needs of a :class:`~consumer_kit.ConsumerApp`: its handlers' sources, its
-    engine (``RuntimeError`` until started), its settings, ``running()`` and ``asgi()``."""
+    engine (``RuntimeError`` until started), its settings, ``running()``, ``asgi()``, ``start()`` and
+    ``stop()``."""
 
     @property
     def specs(self) -> Sequence[_Handled]: ...
@@ -60,6 +64,10 @@ class ServedApp(Protocol):
     def running(self) -> contextlib.AbstractAsyncContextManager[object]: ...
 
     def asgi(self) -> Starlette: ...
+
+    async def start(self) -> None: ...
+
+    async def stop(self, grace: float | None = None) -> None: ...
 
 
 def lifespan(app: ServedApp) -> Callable[[Any], contextlib.AbstractAsyncContextManager[None]]:
@@ -112,22 +120,24 @@ def build(app: ServedApp) -> Starlette:
     return Starlette(routes=routes, lifespan=lifespan(app))
 
 
-def serve(app: ServedApp, *, host: str, port: int, log_level: str = "info") -> None:
-    """Run ``app.asgi()`` under uvicorn until SIGTERM/SIGINT (what ``consumer-kit run`` does for an app
-    with HTTP sources): uvicorn stops accepting, finishes requests, then the lifespan drains the app."""
-    import signal
+async def serve(app: ServedApp, *, host: str, port: int, log_level: str = "info",
+                stop: asyncio.Event | None = None) -> None:
+    """Start ``app``, serve ``app.asgi()`` under uvicorn until SIGTERM/SIGINT (or ``stop``), then drain
+    (what ``consumer-kit run`` does for an app with HTTP sources).
 
+    The app is started here, before uvicorn listens, rather than by uvicorn's lifespan, so that a stop
+    signal during a slow start-up cancels it (uvicorn would only note the signal and wait for the
+    start-up to end). On a stop uvicorn stops accepting and finishes the requests in flight (at most
+    ``SHUTDOWN_GRACE_SECONDS``), then the app drains. Requests are bounded as
+    :mod:`consumer_kit.httpserver` says.
+    """
     import uvicorn
 
-    config = uvicorn.Config(
-        app.asgi(), host=host, port=port, lifespan="on", log_level=log_level.lower(),
-        timeout_graceful_shutdown=int(app.settings.shutdown_grace_seconds) or None,
-    )
-    # uvicorn re-raises the signal that stopped it once it has shut down, to the handlers that were
-    # installed before; these ignore it, so a drained worker exits 0 as the non-HTTP `run` does.
-    previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        uvicorn.Server(config).run()
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    from consumer_kit.httpserver import serve_until, server_config
+    from consumer_kit.signals import run_app, stop_event
+
+    stop = stop if stop is not None else stop_event()
+    config = server_config(app.asgi(), app.settings, host=host, port=port, lifespan="off",
+                           log_level=log_level.lower(),
+                           timeout_graceful_shutdown=int(app.settings.shutdown_grace_seconds) or None)
+    await run_app(app, stop, lambda: serve_until(uvicorn.Server(config), stop))

@@ -25,17 +25,19 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
 from consumer_kit.app import ConsumerApp
 from consumer_kit.errors import ConfigurationError
 from consumer_kit.http import has_http_sources
 from consumer_kit.settings import Settings
+from consumer_kit.signals import StopRequested, StopSignals, run_app
 from consumer_kit.store import Database, DeadLetters, create_engine, ensure_schema, schema_revisions, upgrade
 
 Command = Callable[[argparse.Namespace], int]
 T = TypeVar("T")
+log = logging.getLogger("consumer_kit.cli")
 
 
 def load_app(target: str) -> ConsumerApp:
@@ -52,14 +54,37 @@ def load_app(target: str) -> ConsumerApp:
 
 
 def _run(args: argparse.Namespace) -> int:
-    app = load_app(args.app)
-    if has_http_sources(spec.source for spec in app.specs):
-        from consumer_kit.asgi import serve
-
-        serve(app, host=args.host, port=args.port, log_level=args.log_level)
+    signals = StopSignals()
+    try:
+        signals.install()  # before the app's module is imported: that can take a while too
+        app = load_app(args.app)
+        serve_http = has_http_sources(spec.source for spec in app.specs)
+        if serve_http:
+            try:
+                from consumer_kit.asgi import serve
+            except ModuleNotFoundError as exc:
+                raise ConfigurationError(
+                    f"{exc.name} is not installed, and the app has HTTP sources: "
+                    "pip install 'consumer-kit[webhooks]'") from exc
+        signals.defer()
+    except StopRequested:
+        log.info("stop signal before start-up: not started")
         return 0
-    run_async(app.serve())
+    try:
+        if serve_http:
+            run_async(_with_stop(signals, lambda stop: serve(
+                app, host=args.host, port=args.port, log_level=args.log_level, stop=stop)))
+        else:
+            run_async(_with_stop(signals, lambda stop: run_app(app, stop)))
+    finally:
+        signals.install()  # the loop's handlers went with it; a late signal must not kill the exit
     return 0
+
+
+async def _with_stop(signals: StopSignals, main: Callable[[asyncio.Event], Awaitable[T]]) -> T:
+    """``main(stop)``, with ``stop`` set by SIGTERM/SIGINT from inside the loop (or already, if one came
+    while the loop was being made)."""
+    return await main(signals.event())
 
 
 async def _db(action: str) -> int:
@@ -104,14 +129,25 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _coordinator_serve(args: argparse.Namespace) -> int:
+    signals = StopSignals()
     try:
-        from consumer_kit.coordinator.server import serve
-    except ModuleNotFoundError as exc:
-        raise ConfigurationError(
-            f"{exc.name} is not installed: pip install 'consumer-kit[coordinator]'") from exc
+        signals.install()
+        try:
+            from consumer_kit.coordinator.server import serve
+        except ModuleNotFoundError as exc:
+            raise ConfigurationError(
+                f"{exc.name} is not installed: pip install 'consumer-kit[coordinator]'") from exc
+        settings = Settings()
+        signals.defer()
+    except StopRequested:
+        log.info("stop signal before start-up: not started")
+        return 0
     # uvicorn installs uvloop only when it owns the loop (uvicorn.run); serve() runs inside ours, so
     # choose it here: the stock loop cost the served coordinator about a third more CPU per request.
-    run_async(serve(Settings(), host=args.host, port=args.port))
+    try:
+        run_async(_with_stop(signals, lambda stop: serve(settings, host=args.host, port=args.port, stop=stop)))
+    finally:
+        signals.install()
     return 0
 
 

@@ -28,6 +28,12 @@ HTTP_REJECTED = Counter(
     "HTTP requests refused before they became deliveries (unverified, malformed, too large), by reason.",
     ["source", "reason"],
 )
+HTTP_CUT_OFF = Counter(
+    "consumer_kit_http_cut_off_total",
+    "HTTP connections our servers closed for a request head over HTTP_MAX_HEADER_BYTES or a request not "
+    "received whole within HTTP_REQUEST_TIMEOUT_SECONDS, by reason.",
+    ["reason"],
+)
 OUTBOX_PENDING = Gauge("consumer_kit_outbox_pending", "Outbox rows not yet published.")
 OUTBOX_OLDEST_AGE = Gauge(
     "consumer_kit_outbox_oldest_age_seconds", "Age of the oldest unpublished outbox row (0 when none)."

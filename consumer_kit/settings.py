@@ -44,6 +44,15 @@ class Settings(BaseSettings):
     idempotency_max_receipts_per_scope: int = Field(10_000, gt=0)
     coordinator_body_limit_bytes: int = Field(262_144, gt=0)
 
+    http_max_header_bytes: int = Field(
+        16_384, ge=1024, description="Largest request head (request line and headers) the HTTP servers "
+        "(`consumer-kit run`, `consumer-kit coordinator serve`) accept; a larger one is answered 431.",
+    )
+    http_request_timeout_seconds: float = Field(
+        30.0, gt=0, description="How long a client may take to send a whole request (head and body), from "
+        "its first byte (or from opening the connection); then the connection is closed.",
+    )
+
     inbox_lease_seconds: float = Field(30.0, gt=0, description="How long a claim holds a delivery.")
     inbox_heartbeat_seconds: float | None = Field(
         None, gt=0, description="How often a running handler renews its lease; default lease / 3."

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from datetime import timedelta
 
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -90,12 +91,42 @@ class EmbeddedCoordinator(SessionScope):
     async def create_delegation(
         self, request: DelegationRequest, *, idempotency_key: str | None = None, generated_key: bool = False
     ) -> DelegationReceipt:
-        """See :meth:`Coordinator.create_delegation`."""
+        """See :meth:`Coordinator.create_delegation`. ``request.from_session_id`` must be an active
+        session of this tenant and application: ``CoordinatorRejected(404, "session_not_found")``
+        otherwise, or ``(409, "session_inactive")`` once it ended, expired or was revoked; a replay whose
+        session is no longer active is :class:`IdempotencyResultInactive` (seed 000: never replay an
+        identity that can no longer be used)."""
         async with self.database.connect() as ex:
+            await self._check_delegation_source(ex, request, idempotency_key)
             found = await self.create_on(ex, "delegation", request, idempotency_key, generated_key)
         assert found.expires_at is not None
         return DelegationReceipt(found.resource_id, found.status, found.expires_at,
                                  replayed=found.verdict == "replayed")
+
+    async def _check_delegation_source(self, ex: Executor, request: DelegationRequest, key: str | None) -> None:
+        digests: Sequence[str] = ()
+        if key is not None:
+            try:
+                digests = self.digester.candidates(validate_key(key))
+            except InvalidKey:
+                return  # refused (and counted) by create_on
+        store, now = self.store, self.store.clock()
+        session = await store.resource(ex, self.tenant, self.application, request.from_session_id)
+        if session is not None and session["kind"] != "session":
+            session = None  # a delegation is no source: the same answer as an unknown id
+        active = session is not None and session["status"] == "active" and session["resource_expires_at"] > now
+        receipt = await store.receipt(ex, Scope(self.tenant, self.application, "delegation"), digests) \
+            if digests else None
+        if receipt is not None:  # a replay or a conflict: the receipt's verdict, unless the session is gone
+            if not active and receipt["fingerprint"] == fingerprint("delegation", request):
+                metrics.REQUESTS.labels(_METRIC_OUTCOME["inactive"]).inc()
+                log.info("delegation key's session is no longer active [%s]", short(digests[0]))
+                raise IdempotencyResultInactive()
+            return
+        if session is None:  # no such session, or another tenant's or application's: the same answer
+            raise CoordinatorRejected(404, "session_not_found")
+        if not active:
+            raise CoordinatorRejected(409, "session_inactive")
 
     async def end_session(self, session_id: str) -> None:
         """See :meth:`Coordinator.end_session`; an unknown id is ``CoordinatorRejected(404)``."""

@@ -19,7 +19,7 @@ from typing import Any
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
@@ -32,8 +32,10 @@ from consumer_kit.errors import (
     InvalidKey,
     ReceiptLimitExceeded,
 )
+from consumer_kit.httpserver import serve_until, server_config
 from consumer_kit.keys import validate_key
 from consumer_kit.settings import Settings
+from consumer_kit.signals import StopRequested, stop_event, unless_stopped
 from consumer_kit.store import create_engine, ensure_schema
 
 log = logging.getLogger("consumer_kit.coordinator.server")
@@ -41,6 +43,22 @@ log = logging.getLogger("consumer_kit.coordinator.server")
 
 class _TooLarge(Exception):
     """The request body is over COORDINATOR_BODY_LIMIT_BYTES."""
+
+
+MAX_JSON_DEPTH = 32
+"""Request bodies nested deeper (objects and arrays) are ``400 invalid_request``: no request field needs
+it, and deep nesting costs recursion in parsing, validation and the fingerprint."""
+
+
+def _deeper_than(value: Any, limit: int) -> bool:
+    """Whether ``value`` nests objects or arrays more than ``limit`` levels deep (without recursion)."""
+    level: list[Any] = [value]
+    for _ in range(limit):
+        level = [child for item in level if isinstance(item, dict | list)
+                 for child in (item.values() if isinstance(item, dict) else item)]
+        if not level:
+            return False
+    return any(isinstance(item, dict | list) for item in level)
 
 
 def _error(status: int, code: str) -> JSONResponse:
@@ -56,7 +74,10 @@ def create_app(coordinator: EmbeddedCoordinator, tokens: dict[str, tuple[str, st
     by_digest = {hashlib.sha256(t.encode()).digest(): coordinator.scoped(*scope) for t, scope in tokens.items()}
 
     def authenticate(request: Request) -> EmbeddedCoordinator | None:
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        credentials = request.headers.getlist("authorization")
+        if len(credentials) != 1:  # none, or two to choose from: we never pick one
+            return None
+        scheme, _, token = credentials[0].partition(" ")
         if scheme.lower() != "bearer" or not token:
             return None
         return by_digest.get(hashlib.sha256(token.strip().encode()).digest())
@@ -72,13 +93,23 @@ def create_app(coordinator: EmbeddedCoordinator, tokens: dict[str, tuple[str, st
             if size > limit:
                 raise _TooLarge()
             chunks.append(chunk)
-        return json.loads(b"".join(chunks))
+        try:
+            payload = json.loads(b"".join(chunks))
+        except RecursionError:  # nested deeper than the interpreter's stack: bad input, not a crash
+            raise ValueError("nested too deeply") from None
+        if _deeper_than(payload, MAX_JSON_DEPTH):
+            raise ValueError("nested too deeply")
+        return payload
 
     async def create(request: Request, operation: str) -> Response:
         scoped = authenticate(request)
         if scoped is None:
             return _error(401, "unauthorized")
-        key = request.headers.get("idempotency-key")
+        keys = request.headers.getlist("idempotency-key")
+        if len(keys) > 1:  # which one was meant? Never pick one (as the webhook receiver with signatures)
+            metrics.REQUESTS.labels("invalid").inc()
+            return _error(400, "invalid_idempotency_key")
+        key = keys[0] if keys else None
         if key is not None:
             try:
                 # Starlette decodes header bytes as latin-1; keys are UTF-8 (seed 000 counts UTF-8 bytes).
@@ -92,6 +123,8 @@ def create_app(coordinator: EmbeddedCoordinator, tokens: dict[str, tuple[str, st
             return _error(413, "body_too_large")
         except ValueError:
             return _error(400, "invalid_request")
+        except ClientDisconnect:  # gone, or cut off for sending too slowly: nobody reads an answer
+            return _error(400, "client_disconnected")
         generated = request.headers.get(GENERATED_HEADER, "").lower() == "generated"
         try:
             if operation == "session":
@@ -174,20 +207,27 @@ async def _sweep_forever(coordinator: EmbeddedCoordinator, interval: float) -> N
         await asyncio.sleep(interval)
 
 
-async def serve(settings: Settings, *, host: str = "127.0.0.1", port: int = 8080) -> None:
-    """Serve the coordinator on ``settings.database_url`` until SIGINT/SIGTERM (uvicorn handles them)."""
+async def serve(settings: Settings, *, host: str = "127.0.0.1", port: int = 8080,
+                stop: asyncio.Event | None = None) -> None:
+    """Serve the coordinator on ``settings.database_url`` until SIGTERM/SIGINT (or ``stop``), then stop
+    gracefully. A stop while the database is being prepared cancels that and closes what it opened.
+    Requests are bounded as :mod:`consumer_kit.httpserver` says."""
     import uvicorn
 
+    stop = stop if stop is not None else stop_event()
     tokens = settings.coordinator_scopes()
     if not tokens:
         log.warning("COORDINATOR_TOKENS is empty: every request will be refused with 401")
     engine = create_engine(settings.database_url, pool_size=settings.db_pool_size)
     try:
-        await ensure_schema(engine)
+        await unless_stopped(ensure_schema(engine), stop)
         coordinator = EmbeddedCoordinator(engine, settings, digester=settings.digester())
         app = create_app(coordinator, tokens, sweep_interval=settings.sweep_interval_seconds)
-        config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
-                                lifespan="on")
-        await uvicorn.Server(config).serve()
+        config = server_config(app, settings, host=host, port=port, log_level="warning", access_log=False,
+                               lifespan="on",
+                               timeout_graceful_shutdown=int(settings.shutdown_grace_seconds) or None)
+        await serve_until(uvicorn.Server(config), stop)
+    except StopRequested:
+        log.info("stop signal during start-up: stopped before serving")
     finally:
         await engine.dispose()

@@ -213,6 +213,11 @@ class ReceiptStore:
         return await ex.fetch_one(sql.RESOURCE_IN_SCOPE, {"resource_id": resource_id, "tenant": tenant,
                                                           "application": application})
 
+    async def receipt(self, ex: Executor, scope: Scope, digests: Sequence[str]) -> Row | None:
+        """The live receipt under any of ``digests`` (current HMAC key first), or ``None``."""
+        found = await self._find(ex, scope, digests)
+        return found if found is not None and found["receipt_expires_at"] > self.clock() else None
+
     async def _find(self, ex: Executor, scope: Scope, digests: Sequence[str]) -> Row | None:
         rows = await ex.fetch_all(sql.FIND_RECEIPT, {**scope.params(), "receipt_digest": digests[0],
                                                      "previous": digests[-1]})

@@ -25,15 +25,21 @@ def free_port() -> int:
 
 
 @contextlib.asynccontextmanager
-async def served_asgi(app: ASGIApp, *, log_level: str = "warning") -> AsyncIterator[str]:
+async def served_asgi(app: ASGIApp, *, log_level: str = "warning",
+                      settings: Settings | None = None) -> AsyncIterator[str]:
     """Serve ``app`` (lifespan on) under uvicorn on 127.0.0.1 and a free port, in this event loop;
-    yields the base URL. uvicorn's log records go to the root logger like any other (it installs no
-    logging configuration of its own), so a test sees what the server logged."""
+    yields the base URL. With ``settings``, behind the request bounds our own servers have
+    (:func:`consumer_kit.httpserver.server_config`). uvicorn's log records go to the root logger like
+    any other (it installs no logging configuration of its own), so a test sees what the server logged."""
     import uvicorn
 
+    from consumer_kit.httpserver import server_config
+
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level=log_level,
-                                           log_config=None, access_log=False, lifespan="on"))
+    options = {"log_level": log_level, "log_config": None, "access_log": False, "lifespan": "on"}
+    config = (server_config(app, settings, host="127.0.0.1", port=port, **options) if settings is not None
+              else uvicorn.Config(app, host="127.0.0.1", port=port, **options))  # type: ignore[arg-type]
+    server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve())
     while not server.started:
         if task.done():
@@ -49,14 +55,15 @@ async def served_asgi(app: ASGIApp, *, log_level: str = "warning") -> AsyncItera
 @contextlib.asynccontextmanager
 async def served_coordinator(settings: Settings, tokens: dict[str, tuple[str, str]]) -> AsyncIterator[str]:
     """Serve an :class:`EmbeddedCoordinator` on ``settings.database_url`` under uvicorn on 127.0.0.1 and a
-    free port, in this event loop; yields the base URL. ``tokens`` maps bearer -> (tenant, application)."""
+    free port, in this event loop, configured as ``consumer-kit coordinator serve`` is; yields the base URL.
+    ``tokens`` maps bearer -> (tenant, application)."""
     from consumer_kit.coordinator.server import create_app
 
     engine = create_engine(settings.database_url, pool_size=settings.db_pool_size)
     try:
         await ensure_schema(engine)
         app = create_app(EmbeddedCoordinator(engine, settings), tokens)
-        async with served_asgi(app) as url:
+        async with served_asgi(app, settings=settings) as url:
             yield url
     finally:
         await engine.dispose()

@@ -53,7 +53,7 @@ def test_coordinator_serve(tmp_path: Path) -> None:
     finally:
         server.send_signal(signal.SIGTERM)
         output, _ = server.communicate(timeout=30)
-    # uvicorn shuts down gracefully, then re-raises the signal so the parent sees how it ended.
-    assert server.returncode in (0, -signal.SIGTERM), output
+    # A graceful stop on SIGTERM is a clean exit, as for `consumer-kit run`.
+    assert server.returncode == 0, output
     assert "Traceback" not in output
     assert "secret-token" not in output and "ticket-queue:v1:m-1" not in output

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -17,6 +16,7 @@ import httpx
 import pytest
 
 from tests.conftest import TEST_HMAC_KEY
+from tests.processes import stop_cleanly, wait_until_served
 from tests.signing import stripe_signature
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -43,29 +43,14 @@ def run_example(target: str, tmp_path: Path, **env: str) -> Iterator[str]:
         env=environment,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
+        text=True,
     )
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                if httpx.get(f"{base}/readyz", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if process.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"{target} did not become ready")
-            time.sleep(0.1)
+        wait_until_served(process, f"{base}/readyz", seconds=30)
         yield base
     finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            output, _ = process.communicate(timeout=20)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.communicate()
-            raise
-        assert process.returncode == 0, output.decode()
+        stop_cleanly(process, seconds=20)
 
 
 @pytest.fixture
