@@ -303,6 +303,7 @@ class Database:
         self.dialect = engine.dialect.name
         self.asyncpg = engine.dialect.driver == "asyncpg"
         self._pool: asyncpg.Pool | None = None
+        self._opening: asyncio.Future[asyncpg.Pool] | None = None
         self._pool_size = pool_size or _pool_size(engine)
         if self.asyncpg:
             # Autocommit: SQLAlchemy never begins or ends a transaction on these connections; the
@@ -348,27 +349,34 @@ class Database:
                         executor.discard()
 
     async def _open_pool(self) -> asyncpg.Pool:
+        # One opening for all the first callers at once (each would open a pool, and a connection).
+        if self._opening is None:
+            self._opening = asyncio.ensure_future(self._create_pool())
+        try:
+            return await asyncio.shield(self._opening)
+        except BaseException:
+            if self._opening.done() and (self._opening.cancelled() or self._opening.exception() is not None):
+                self._opening = None  # failed: the next caller tries again
+            raise
+
+    async def _create_pool(self) -> asyncpg.Pool:
         import asyncpg
 
-        if self._pool is None:
-            dsn = self.engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
-            pool = await asyncpg.create_pool(dsn, min_size=1, max_size=self._pool_size, init=_json_codec,
-                                             reset=_transaction_scoped_reset)
-            if self._pool is None:
-                self._pool = pool
-            else:  # another task opened it meanwhile
-                await pool.close()
-        assert self._pool is not None
-        return self._pool
+        dsn = self.engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
+        pool = await asyncpg.create_pool(dsn, min_size=1, max_size=self._pool_size, init=_json_codec,
+                                         reset=_transaction_scoped_reset)
+        assert pool is not None
+        self._pool = pool
+        return pool
 
     async def close(self) -> None:
         """Close the store's own pool, if it opened one (the engine is the caller's)."""
-        pool, self._pool = self._pool, None
+        pool, self._pool, self._opening = self._pool, None, None
         if pool is not None:
             await pool.close()
 
     def _terminate(self) -> None:
-        pool, self._pool = self._pool, None
+        pool, self._pool, self._opening = self._pool, None, None
         if pool is not None:
             pool.terminate()
 

@@ -238,8 +238,13 @@ class ReceiptStore:
         where = {**scope.params(), "stripe": stripe}
         if share and await ex.execute(sql.TAKE_STRIPE_SLOT, {**where, "share": share}) == 1:
             return
-        await ex.execute_many(sql.INSERT_STRIPE, [{**scope.params(), "stripe": k} for k in range(STRIPES)])
-        total = sum(row["live"] for row in await ex.fetch_all(sql.LOCK_STRIPES, scope.params()))
+        # Every stripe locked, in stripe order (so that concurrent exact paths queue, never deadlock);
+        # the scope's first creations write the stripes first.
+        stripes = await ex.fetch_all(sql.LOCK_STRIPES, scope.params())
+        if len(stripes) < STRIPES:
+            await ex.execute_many(sql.INSERT_STRIPE, [{**scope.params(), "stripe": k} for k in range(STRIPES)])
+            stripes = await ex.fetch_all(sql.LOCK_STRIPES, scope.params())
+        total = sum(row["live"] for row in stripes)
         if total >= cap:  # expired receipts no longer count: reclaim this scope's before refusing
             total -= await self._delete_expired(ex, now, scope=scope, limit=_NO_LIMIT)
             if total >= cap:

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Iterator
 
 import httpx
 import pytest
-from consumer_kit.coordinator.tables import coordinator_resources, idempotency_receipts
+from consumer_kit.store.tables import coordinator_resources, idempotency_receipts
 from sqlalchemy import func, select
 
 from consumer_kit.coordinator import (
