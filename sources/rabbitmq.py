@@ -164,9 +164,17 @@ class RabbitMQSource(KeyedSource):
                 await channel.close()
 
     async def _on_message(self, message: AbstractIncomingMessage) -> None:
-        task = asyncio.current_task()
-        assert task is not None and self._dispatch is not None
+        # aio-pika cancels the callbacks of a channel that closes (a broker restart, a connection cut).
+        # The delivery runs in a task of its own, shielded from that: it finishes and commits, its ack
+        # is lost with the channel, and the redelivery is acknowledged as a duplicate, which is cheaper
+        # and safer than rolling finished work back. stop() still cancels it past the shutdown grace.
+        task = asyncio.ensure_future(self._deliver(message))
         self._in_flight.add(task)
+        task.add_done_callback(self._in_flight.discard)
+        await asyncio.shield(task)
+
+    async def _deliver(self, message: AbstractIncomingMessage) -> None:
+        assert self._dispatch is not None
         try:
             delivery = to_delivery(message)
             result = await self._dispatch(delivery)
@@ -177,8 +185,6 @@ class RabbitMQSource(KeyedSource):
             # Usually the connection dropped after the commit: the redelivery is acked as a duplicate.
             log.warning("%s: settlement not delivered to the broker (%s); it will redeliver",
                         self.name, type(exc).__name__)
-        finally:
-            self._in_flight.discard(task)
 
     async def _settle(self, message: AbstractIncomingMessage, delivery: Delivery, result: Result) -> None:
         if result.settlement is Settlement.ACK:

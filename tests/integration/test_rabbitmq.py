@@ -187,3 +187,34 @@ async def test_passive_check_reports_missing_queues(queue: str, sqlite_url: str)
 
     with pytest.raises(ConfigurationError, match="missing"):
         await app.start()
+
+
+@pytest.mark.parametrize("single", [False, True], ids=["two-txn", "one-txn"])
+async def test_a_connection_cut_lets_running_deliveries_finish(pg: str, queue: str, single: bool) -> None:
+    """The broker closes the connection while a handler runs: the delivery is not cancelled, it
+    commits; its ack went with the channel, so the redelivery is acknowledged as a duplicate."""
+    app = ConsumerApp(make_settings(pg))
+    source = RabbitMQSource(queue=queue, namespace="orders", version=1, url=AMQP_URL, name=f"{queue}-cut",
+                            retry_delays=(0.2,), prefetch=4)
+    entered, release = asyncio.Event(), asyncio.Event()
+    runs: list[str] = []
+
+    @app.handler(source, name="rabbit-cut", single_transaction=single)
+    async def handle(ctx: Context) -> None:
+        runs.append(ctx.delivery.text())
+        entered.set()
+        await release.wait()
+        await ctx.db.execute(effects.insert().values(message=ctx.delivery.text(), worker="cut"))
+
+    async with app.running():
+        await publish(queue, [("cut-1", b"order-cut-1")])
+        await asyncio.wait_for(entered.wait(), 10)
+        assert close_connections_named(f"{queue}-cut") >= 1
+        await asyncio.sleep(0.5)  # the channel is gone while the handler still runs
+        release.set()
+
+        async def settled() -> bool:
+            return await counts(app) == (1, 1) and await depth(queue) == 0
+
+        await wait_until(settled, 20, "the effect committed once and the queue empty")
+    assert runs == ["order-cut-1"]  # the redelivery did not run the handler again
