@@ -11,7 +11,6 @@ from collections.abc import AsyncIterator, Iterator
 
 import httpx
 import pytest
-from consumer_kit.store.tables import coordinator_resources, idempotency_receipts
 from sqlalchemy import func, select
 
 from consumer_kit.coordinator import (
@@ -25,6 +24,7 @@ from consumer_kit.coordinator import (
 from consumer_kit.retry import RetryPolicy
 from consumer_kit.settings import Settings
 from consumer_kit.store import create_engine, ensure_schema
+from consumer_kit.store.tables import coordinator_resources, idempotency_receipts
 from consumer_kit.testing.server import served_coordinator
 from tests.conftest import make_settings
 

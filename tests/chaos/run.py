@@ -1,0 +1,242 @@
+"""The chaos run: a real worker on RabbitMQ and PostgreSQL, killed and cut off while it works.
+
+For one path (``default``, ``single``, ``outbox``): publish ``messages`` distinct messages plus 10%
+duplicates (the same ``message_id`` sent again), run ``consumer-kit run tests.chaos.worker:app``, and
+while it consumes: SIGKILL it ``kills`` times at random moments (starting it again each time), have the
+broker close its connections once, and terminate its database backends once. Then let it finish, stop
+it with SIGTERM and count: effects lost and doubled, messages left in the queues, messages unacked,
+parked deliveries, and (outbox) the distinct message ids that reached the downstream queue.
+
+``python -m tests.chaos.run [--messages 10000] [--kills 6] [--runs 3] [--paths default,single,outbox]``
+prints one line per run; the test suite runs a small size of it (tests/chaos/test_chaos.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import aio_pika
+import asyncpg
+
+ROOT = Path(__file__).resolve().parents[2]
+AMQP_URL = "amqp://guest:guest@127.0.0.1:5672/"
+PG_ADMIN = "postgresql://postgres@127.0.0.1:5432/postgres"
+HMAC_KEY = "chaos-hmac-key-0123456789abcdef"
+
+
+@dataclass(frozen=True)
+class Report:
+    path: str
+    messages: int
+    published: int
+    kills: int
+    lost: int
+    doubled: int
+    left_in_queue: int
+    unacked: int
+    parked: int
+    downstream_distinct: int | None
+    seconds: float
+
+    @property
+    def clean(self) -> bool:
+        return (self.lost, self.doubled, self.left_in_queue, self.unacked, self.parked) == (0, 0, 0, 0, 0) and \
+            self.downstream_distinct in (None, self.messages)
+
+    def line(self) -> str:
+        downstream = "" if self.downstream_distinct is None else f" downstream distinct ids {self.downstream_distinct}"
+        return (f"{self.path:8s} {self.messages} messages ({self.published} published with duplicates),"
+                f" {self.kills} SIGKILLs + 1 broker cut + 1 database cut: lost {self.lost}, doubled"
+                f" {self.doubled}, left in queue {self.left_in_queue}, unacked {self.unacked}, parked"
+                f" {self.parked}{downstream} ({self.seconds:.0f} s) -> {'OK' if self.clean else 'FAILED'}")
+
+
+def _queue_counts(prefix: str) -> tuple[int, int]:
+    """(ready, unacked) over ``prefix`` and every ``prefix.*`` queue (retry queues, the DLQ)."""
+    out = subprocess.run(["rabbitmqctl", "list_queues", "name", "messages_ready", "messages_unacknowledged",
+                          "-q", "--no-table-headers"], capture_output=True, text=True, timeout=60, check=True).stdout
+    ready = unacked = 0
+    for line in out.splitlines():
+        parts = line.split()
+        if len(parts) == 3 and (parts[0] == prefix or parts[0].startswith(prefix + ".")) \
+                and not parts[0].endswith(".out"):
+            ready += int(parts[1])
+            unacked += int(parts[2])
+    return ready, unacked
+
+
+def _close_connections(name: str) -> int:
+    out = subprocess.run(["rabbitmqctl", "list_connections", "pid", "client_properties", "-q"],
+                         capture_output=True, text=True, timeout=60, check=True).stdout
+    closed = 0
+    for line in out.splitlines():
+        pid, _, properties = line.partition("\t")
+        if f'{{"connection_name","{name}"}}' in properties:
+            subprocess.run(["rabbitmqctl", "close_connection", pid, "chaos: broker-side cut"],
+                           capture_output=True, timeout=60, check=False)
+            closed += 1
+    return closed
+
+
+class Worker:
+    def __init__(self, env: dict[str, str], log: Path) -> None:
+        self.env, self.log = env, log
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        command = [str(Path(sys.executable).with_name("consumer-kit")), "--log-level", "WARNING",
+                   "run", "tests.chaos.worker:app"]
+        with self.log.open("ab") as output:
+            self.process = subprocess.Popen(command, cwd=ROOT, env=self.env, stdout=output, stderr=output)
+
+    def kill(self) -> None:
+        assert self.process is not None
+        self.process.send_signal(signal.SIGKILL)
+        self.process.wait(30)
+
+    def stop(self) -> int:
+        assert self.process is not None
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            return -9
+
+
+async def _publish(queue: str, ids: list[str]) -> None:
+    connection = await aio_pika.connect(AMQP_URL)
+    async with connection:
+        channel = await connection.channel(publisher_confirms=True)
+        await channel.declare_queue(queue, durable=True)
+        await channel.declare_queue(f"{queue}.out", durable=True)
+        for start in range(0, len(ids), 500):
+            await asyncio.gather(*(channel.default_exchange.publish(
+                aio_pika.Message(message_id.encode(), message_id=message_id,
+                                 delivery_mode=aio_pika.DeliveryMode.PERSISTENT), routing_key=queue)
+                for message_id in ids[start:start + 500]))
+
+
+async def _downstream_ids(queue: str) -> set[str]:
+    ids: set[str] = set()
+    connection = await aio_pika.connect(AMQP_URL)
+    async with connection:
+        channel = await connection.channel()
+        declared = await channel.declare_queue(f"{queue}.out", durable=True)
+        while (message := await declared.get(fail=False, timeout=5)) is not None:
+            await message.ack()
+            ids.add(message.body.decode())
+    return ids
+
+
+async def _delete_queues(queue: str) -> None:
+    out = subprocess.run(["rabbitmqctl", "list_queues", "name", "-q", "--no-table-headers"],
+                         capture_output=True, text=True, timeout=60, check=True).stdout
+    names = [n.strip() for n in out.splitlines() if n.strip() == queue or n.strip().startswith(queue + ".")]
+    connection = await aio_pika.connect(AMQP_URL)
+    async with connection:
+        for name in names:
+            channel = await connection.channel()
+            try:
+                await channel.queue_delete(name)
+            except Exception:
+                pass
+
+
+async def run(path: str, messages: int, kills: int, *, timeout: float = 900, log_dir: Path | None = None,
+              seed: int | None = None) -> Report:
+    """One chaos run (see the module docstring)."""
+    rng = random.Random(seed)
+    token = secrets.token_hex(4)
+    database, queue = f"ck_chaos_{token}", f"ck-chaos-{token}"
+    admin = await asyncpg.connect(PG_ADMIN)
+    await admin.execute(f'CREATE DATABASE "{database}"')
+    url = PG_ADMIN.rsplit("/", 1)[0] + f"/{database}"
+    log = (log_dir or Path("/tmp")) / f"chaos-{path}-{token}.log"
+    started = time.monotonic()
+    try:
+        env = dict(os.environ, DATABASE_URL=url, IDEMPOTENCY_HMAC_KEY=HMAC_KEY, RABBITMQ_URL=AMQP_URL,
+                   CHAOS_PATH=path, CHAOS_QUEUE=queue, INBOX_LEASE_SECONDS="2", SHUTDOWN_GRACE_SECONDS="5",
+                   DB_POOL_SIZE="8", OUTBOX_POLL_SECONDS="0.2", RETRY_LATER_SECONDS="0.5")
+        migrate = await asyncio.to_thread(
+            subprocess.run, [str(Path(sys.executable).with_name("consumer-kit")), "db", "upgrade"], cwd=ROOT,
+            env=env, capture_output=True, timeout=120)
+        assert migrate.returncode == 0, migrate.stderr.decode()
+        db = await asyncpg.connect(url)
+        await db.execute("CREATE TABLE chaos_effects (id bigserial PRIMARY KEY, message_id text NOT NULL)")
+        ids = [f"m-{i:06d}" for i in range(messages)]
+        resent = rng.sample(ids, messages // 10)
+        everything = ids + resent
+        rng.shuffle(everything)
+        await _publish(queue, everything)
+
+        worker = Worker(env, log)
+        worker.start()
+        cut_after, db_cut_after = min(2, kills), min(3, kills)
+        for number in range(1, kills + 1):
+            await asyncio.sleep(rng.uniform(1.5, 4.0))
+            worker.kill()
+            worker.start()
+            if number == cut_after:
+                await asyncio.sleep(rng.uniform(1.5, 3.0))
+                _close_connections(f"{queue}-worker")
+            if number == db_cut_after:
+                await asyncio.sleep(rng.uniform(1.5, 3.0))
+                await db.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+                                 " WHERE datname = current_database() AND pid <> pg_backend_pid()")
+                await db.close()
+                db = await asyncpg.connect(url)
+
+        deadline = time.monotonic() + timeout
+        while True:
+            ready, unacked = _queue_counts(queue)
+            pending = await db.fetchval("SELECT count(*) FROM outbox WHERE published_at IS NULL")
+            if ready == unacked == pending == 0:
+                break
+            if time.monotonic() > deadline:
+                break
+            await asyncio.sleep(1)
+        await asyncio.sleep(1)
+        exit_code = worker.stop()
+        assert exit_code == 0, f"the worker did not stop cleanly ({exit_code}); see {log}"
+        rows, distinct = await db.fetchrow("SELECT count(*), count(DISTINCT message_id) FROM chaos_effects")
+        parked = await db.fetchval("SELECT count(*) FROM dead_letters")
+        await db.close()
+        ready, unacked = _queue_counts(queue)
+        downstream = len(await _downstream_ids(queue) & set(ids)) if path == "outbox" else None
+        return Report(path, messages, len(everything), kills, messages - distinct, rows - distinct, ready,
+                      unacked, parked, downstream, time.monotonic() - started)
+    finally:
+        await _delete_queues(queue)
+        await admin.execute(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
+        await admin.close()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--messages", type=int, default=10_000)
+    parser.add_argument("--kills", type=int, default=6)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--paths", default="default,single,outbox")
+    args = parser.parse_args()
+    clean = True
+    for number in range(1, args.runs + 1):
+        for path in args.paths.split(","):
+            report = asyncio.run(run(path, args.messages, args.kills))
+            print(f"run {number}: {report.line()}", flush=True)
+            clean &= report.clean
+    return 0 if clean else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
