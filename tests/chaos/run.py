@@ -140,8 +140,10 @@ async def _downstream_ids(queue: str) -> set[str]:
 
 
 async def _delete_queues(queue: str) -> None:
-    out = subprocess.run(["rabbitmqctl", "list_queues", "name", "-q", "--no-table-headers"],
-                         capture_output=True, text=True, timeout=60, check=True).stdout
+    command = ["rabbitmqctl", "list_queues", "name", "-q", "--no-table-headers"]
+    listing = await asyncio.to_thread(subprocess.run, command, capture_output=True, text=True, timeout=60,
+                                      check=True)
+    out = listing.stdout
     names = [n.strip() for n in out.splitlines() if n.strip() == queue or n.strip().startswith(queue + ".")]
     connection = await aio_pika.connect(AMQP_URL)
     async with connection:
@@ -153,7 +155,7 @@ async def _delete_queues(queue: str) -> None:
                 pass
 
 
-async def run(path: str, messages: int, kills: int, *, timeout: float = 900, log_dir: Path | None = None,
+async def run(path: str, messages: int, kills: int, *, settle_seconds: float = 900, log_dir: Path | None = None,
               seed: int | None = None) -> Report:
     """One chaos run (see the module docstring)."""
     rng = random.Random(seed)
@@ -197,7 +199,7 @@ async def run(path: str, messages: int, kills: int, *, timeout: float = 900, log
                 await db.close()
                 db = await asyncpg.connect(url)
 
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + settle_seconds
         while True:
             ready, unacked = _queue_counts(queue)
             pending = await db.fetchval("SELECT count(*) FROM outbox WHERE published_at IS NULL")
