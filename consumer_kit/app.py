@@ -18,7 +18,8 @@ from consumer_kit.coordinator.embedded import EmbeddedCoordinator
 from consumer_kit.coordinator.http import HttpCoordinator
 from consumer_kit.coordinator.protocol import Coordinator, SessionRequest
 from consumer_kit.delivery import Delivery, Result, Source
-from consumer_kit.errors import ConfigurationError
+from consumer_kit.errors import ConfigurationError, InvalidKey
+from consumer_kit.keys import OperationKey
 from consumer_kit.pipeline import Handler, HandlerSpec, Pipeline
 from consumer_kit.relay import OutboxRelay, Publisher
 from consumer_kit.retry import RetryPolicy
@@ -36,6 +37,30 @@ log = logging.getLogger("consumer_kit.app")
 SETTLE_AFTER_CANCEL_SECONDS = 5.0
 
 H = TypeVar("H", bound=Handler)
+
+
+def check_source(source: object) -> None:
+    """Refuse, with a message that says what is missing, an object that cannot be a source: the
+    pipeline keys every delivery with its ``namespace`` and ``version`` and labels metrics with its
+    ``name``, and the app starts, stops and closes it."""
+    problems = []
+    name = getattr(source, "name", None)
+    if not isinstance(name, str) or not name:
+        problems.append("a non-empty str 'name'")
+    namespace, version = getattr(source, "namespace", None), getattr(source, "version", None)
+    if not isinstance(namespace, str) or not isinstance(version, int) or isinstance(version, bool):
+        problems.append("a str 'namespace' and an int 'version'")
+    else:
+        try:
+            OperationKey(namespace, version, "probe")
+        except InvalidKey as exc:
+            problems.append(f"a valid namespace and version ({exc})")
+    missing = [m for m in ("key", "start", "stop", "close") if not callable(getattr(source, m, None))]
+    if missing:
+        problems.append(f"the methods {', '.join(missing)}")
+    if problems:
+        raise ConfigurationError(f"{type(source).__name__} is not a source: it needs {'; '.join(problems)} "
+                                 "(see consumer_kit.Source)")
 
 
 class ConsumerApp:
@@ -87,8 +112,11 @@ class ConsumerApp:
         ``labels`` and ``task`` describe the coordinator session: a handler with either gets one
         (``ctx.session``), created under ``ctx.key.derive("session")``; one with neither runs without.
         """
+        check_source(source)
         if any(spec.source is source for spec in self.specs):
             raise ConfigurationError(f"source {source.name!r} already has a handler; one settles each delivery")
+        if driver not in ("sqlalchemy", "asyncpg"):
+            raise ConfigurationError(f"driver must be 'sqlalchemy' or 'asyncpg', not {driver!r}")
         if single_transaction and (labels or task):
             # The session would be created inside the claiming transaction, which on SQLite holds the
             # write lock the embedded coordinator needs: keep coordinator work on the two-transaction path.

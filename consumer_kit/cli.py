@@ -30,6 +30,7 @@ from typing import Any, TypeVar
 
 from consumer_kit.app import ConsumerApp
 from consumer_kit.errors import ConfigurationError
+from consumer_kit.extras import missing_extra
 from consumer_kit.http import has_http_sources
 from consumer_kit.settings import Settings
 from consumer_kit.signals import StopRequested, StopSignals, run_app
@@ -63,9 +64,7 @@ def _run(args: argparse.Namespace) -> int:
             try:
                 from consumer_kit.asgi import serve
             except ModuleNotFoundError as exc:
-                raise ConfigurationError(
-                    f"{exc.name} is not installed, and the app has HTTP sources: "
-                    "pip install 'consumer-kit[webhooks]'") from exc
+                raise ConfigurationError(str(missing_extra("webhooks", "an app with HTTP sources", exc))) from exc
         signals.defer()
     except StopRequested:
         log.info("stop signal before start-up: not started")
@@ -135,8 +134,7 @@ def _coordinator_serve(args: argparse.Namespace) -> int:
         try:
             from consumer_kit.coordinator.server import serve
         except ModuleNotFoundError as exc:
-            raise ConfigurationError(
-                f"{exc.name} is not installed: pip install 'consumer-kit[coordinator]'") from exc
+            raise ConfigurationError(str(missing_extra("coordinator", "the coordinator server", exc))) from exc
         settings = Settings()
         signals.defer()
     except StopRequested:

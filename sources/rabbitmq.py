@@ -43,9 +43,9 @@ try:
         AbstractQueue,
     )
 except ModuleNotFoundError as exc:  # pragma: no cover - exercised only without the extra
-    raise ModuleNotFoundError(
-        "sources.rabbitmq needs aio-pika: pip install 'consumer-kit[rabbitmq]'", name=exc.name
-    ) from exc
+    from consumer_kit.extras import missing_extra
+
+    raise missing_extra("rabbitmq", "sources.rabbitmq", exc) from exc
 
 from consumer_kit.delivery import Delivery, Dispatch, KeyedSource, KeyMapper, Result, Settlement
 from consumer_kit.errors import ConfigurationError

@@ -15,6 +15,7 @@ from sqlalchemy.engine import ExceptionContext
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from consumer_kit.errors import ConfigurationError, SchemaOutOfDate
+from consumer_kit.extras import missing_extra
 
 DEFERRED = "consumer_kit_sqlite_deferred"
 """Execution option: on SQLite, begin this connection's transactions DEFERRED instead of IMMEDIATE."""
@@ -38,9 +39,8 @@ def create_engine(url: str, *, pool_size: int = 20) -> AsyncEngine:
         # the pipeline, which retries the delivery; the pool then replaces it.
         return create_async_engine(url, pool_size=pool_size, max_overflow=pool_size, pool_recycle=1800)
     except ModuleNotFoundError as exc:
-        raise ConfigurationError(
-            f"the driver for {url.split('://', 1)[0]} is not installed: pip install 'consumer-kit[postgres]'"
-        ) from exc
+        extra = "psycopg" if "+psycopg" in url.split("://", 1)[0] else "postgres"
+        raise ConfigurationError(str(missing_extra(extra, f"DATABASE_URL {url.split('://', 1)[0]}://…", exc))) from exc
 
 
 def _sqlite_pragmas(engine: AsyncEngine) -> None:

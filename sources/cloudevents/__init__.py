@@ -9,9 +9,9 @@ distinct event"), never a transport's message id, and never a random id filled i
 try:
     import starlette  # noqa: F401
 except ModuleNotFoundError as exc:  # pragma: no cover - depends on the installation
-    raise ImportError(
-        "sources.cloudevents needs the cloudevents extra: pip install 'consumer-kit[cloudevents]'"
-    ) from exc
+    from consumer_kit.extras import missing_extra
+
+    raise missing_extra("cloudevents", "sources.cloudevents", exc) from exc
 
 from sources.cloudevents.event import CloudEventDelivery, InvalidEvent, key_id
 from sources.cloudevents.queues import cloudevent_key_mapper

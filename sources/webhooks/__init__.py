@@ -5,9 +5,9 @@ try:
     import standardwebhooks  # noqa: F401
     import starlette  # noqa: F401
 except ModuleNotFoundError as exc:  # pragma: no cover - depends on the installation
-    raise ImportError(
-        "sources.webhooks needs the webhooks extra: pip install 'consumer-kit[webhooks]'"
-    ) from exc
+    from consumer_kit.extras import missing_extra
+
+    raise missing_extra("webhooks", "sources.webhooks", exc) from exc
 
 from sources.webhooks.receiver import WebhookSource
 from sources.webhooks.verifiers import (
