@@ -1,9 +1,13 @@
-"""The per-delivery algorithm, on SQLite and on the real PostgreSQL server."""
+"""The per-delivery algorithm, on SQLite and on the real PostgreSQL server, for handlers that write
+through ``ctx.db`` (SQLAlchemy, on asyncpg and on psycopg) and through ``ctx.connection`` (asyncpg)."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
 
 import pytest
 from sqlalchemy import Column, Integer, MetaData, String, Table, func, select
@@ -19,7 +23,7 @@ from consumer_kit import (
     TerminalError,
 )
 from consumer_kit.testing import InMemorySource
-from tests.conftest import make_settings
+from tests.conftest import make_settings, truncate_all
 
 effects_metadata = MetaData()
 effects = Table(
@@ -41,20 +45,53 @@ async def effect_count(app: ConsumerApp) -> int:
         return int((await conn.execute(select(func.count()).select_from(effects))).scalar_one())
 
 
-def build(settings: Settings, *, single_transaction: bool = False,
+@dataclass(frozen=True)
+class Target:
+    """A database and the way the handler writes to it."""
+
+    url: str
+    driver: Literal["sqlalchemy", "asyncpg"] = "sqlalchemy"
+
+    def settings(self, **overrides: object) -> Settings:
+        return make_settings(self.url, **overrides)
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres),
+                        pytest.param("psycopg", marks=pytest.mark.postgres),
+                        pytest.param("postgres-ctx.connection", marks=pytest.mark.postgres)])
+async def target(request: pytest.FixtureRequest, tmp_path: Path) -> Target:
+    """The ``database_url`` targets with ``ctx.db``, and PostgreSQL with ``ctx.connection``."""
+    if request.param == "sqlite":
+        return Target(f"sqlite+aiosqlite:///{tmp_path}/consumer-kit.db")
+    url = request.getfixturevalue("pg_url")
+    await truncate_all(url)
+    if request.param == "psycopg":
+        return Target(url.replace("+asyncpg://", "+psycopg://"))
+    return Target(url, "asyncpg" if request.param.endswith("ctx.connection") else "sqlalchemy")
+
+
+def build(target: Target | Settings, *, single_transaction: bool = False,
           extra: Callable[[Context], Awaitable[None]] | None = None,
-          before: Callable[[Context], Awaitable[None]] | None = None,
+          before: Callable[[Context], Awaitable[None]] | None = None, **overrides: object,
           ) -> tuple[ConsumerApp, InMemorySource, list[str]]:
-    app = ConsumerApp(settings)
+    """An app whose handler records a ticket (through ``target``'s driver); ``overrides`` are settings."""
+    if isinstance(target, Target):
+        driver, app = target.driver, ConsumerApp(target.settings(**overrides))
+    else:
+        driver, app = "sqlalchemy", ConsumerApp(target)
     source = InMemorySource(namespace="ticket-queue", version=1)
     runs: list[str] = []
 
-    @app.handler(source, single_transaction=single_transaction)
+    @app.handler(source, single_transaction=single_transaction, driver=driver)
     async def handle(ctx: Context) -> None:
         runs.append(ctx.key_digest)
         if before is not None:  # waits before the first write: SQLite serialises writers
             await before(ctx)
-        await ctx.db.execute(effects.insert().values(ticket=ctx.delivery.json()["key"]))
+        ticket = ctx.delivery.json()["key"]
+        if driver == "asyncpg":
+            await ctx.connection.execute("INSERT INTO test_effects (ticket) VALUES ($1)", ticket)
+        else:
+            await ctx.db.execute(effects.insert().values(ticket=ticket))
         if extra is not None:
             await extra(ctx)
 
@@ -62,8 +99,8 @@ def build(settings: Settings, *, single_transaction: bool = False,
 
 
 @pytest.mark.parametrize("single", [False, True], ids=["two-txn", "one-txn"])
-async def test_duplicate_runs_once(settings: Settings, single: bool) -> None:
-    app, source, runs = build(settings, single_transaction=single)
+async def test_duplicate_runs_once(target: Target, single: bool) -> None:
+    app, source, runs = build(target, single_transaction=single)
     async with app.running():
         await make_effects_table(app)
         first = await source.deliver(id="msg-0001", body=b'{"key": "T-1"}')
@@ -75,8 +112,8 @@ async def test_duplicate_runs_once(settings: Settings, single: bool) -> None:
 
 
 @pytest.mark.parametrize("single", [False, True], ids=["two-txn", "one-txn"])
-async def test_conflict_is_parked_and_writes_nothing(settings: Settings, single: bool) -> None:
-    app, source, runs = build(settings, single_transaction=single)
+async def test_conflict_is_parked_and_writes_nothing(target: Target, single: bool) -> None:
+    app, source, runs = build(target, single_transaction=single)
     async with app.running():
         await make_effects_table(app)
         await source.deliver(id="msg-0002", body=b'{"key": "T-1"}')
@@ -89,8 +126,7 @@ async def test_conflict_is_parked_and_writes_nothing(settings: Settings, single:
         assert parked.key_digest is not None and len(parked.key_digest) == 64
 
 
-async def test_concurrent_instances_run_once(database_url: str) -> None:
-    settings = make_settings(database_url)
+async def test_concurrent_instances_run_once(target: Target) -> None:
     release = asyncio.Event()
     entered = asyncio.Event()
 
@@ -98,8 +134,8 @@ async def test_concurrent_instances_run_once(database_url: str) -> None:
         entered.set()
         await release.wait()
 
-    app1, source1, runs1 = build(settings, before=slow)
-    app2, source2, runs2 = build(settings)
+    app1, source1, runs1 = build(target, before=slow)
+    app2, source2, runs2 = build(target)
     async with app1.running(), app2.running():
         await make_effects_table(app1)
         first = asyncio.create_task(source1.deliver(id="msg-0003", body=b'{"key": "T-3"}'))
@@ -115,9 +151,9 @@ async def test_concurrent_instances_run_once(database_url: str) -> None:
         assert await effect_count(app1) == 1
 
 
-async def test_takeover_after_crash_and_late_completion_rolls_back(database_url: str) -> None:
+async def test_takeover_after_crash_and_late_completion_rolls_back(target: Target) -> None:
     # The first holder's lease is short and never renewed (a process that froze or died).
-    frozen = make_settings(database_url, inbox_lease_seconds=0.3, inbox_heartbeat_seconds=3600)
+
     release = asyncio.Event()
     entered = asyncio.Event()
 
@@ -125,8 +161,8 @@ async def test_takeover_after_crash_and_late_completion_rolls_back(database_url:
         entered.set()
         await release.wait()
 
-    app1, source1, runs1 = build(frozen, before=freeze)
-    app2, source2, runs2 = build(make_settings(database_url))
+    app1, source1, runs1 = build(target, before=freeze, inbox_lease_seconds=0.3, inbox_heartbeat_seconds=3600)
+    app2, source2, runs2 = build(target)
     async with app1.running(), app2.running():
         await make_effects_table(app1)
         first = asyncio.create_task(source1.deliver(id="msg-0004", body=b'{"key": "T-4"}'))
@@ -142,8 +178,8 @@ async def test_takeover_after_crash_and_late_completion_rolls_back(database_url:
         assert (await source1.deliver(id="msg-0004", body=b'{"key": "T-4"}')).outcome is Outcome.DUPLICATE
 
 
-async def test_heartbeat_keeps_a_long_handler_alive(database_url: str) -> None:
-    settings = make_settings(database_url, inbox_lease_seconds=0.4)
+async def test_heartbeat_keeps_a_long_handler_alive(target: Target) -> None:
+
     release = asyncio.Event()
     entered = asyncio.Event()
 
@@ -151,8 +187,8 @@ async def test_heartbeat_keeps_a_long_handler_alive(database_url: str) -> None:
         entered.set()
         await release.wait()
 
-    app1, source1, _ = build(settings, before=long_running)
-    app2, source2, _ = build(settings)
+    app1, source1, _ = build(target, before=long_running, inbox_lease_seconds=0.4)
+    app2, source2, _ = build(target, inbox_lease_seconds=0.4)
     async with app1.running(), app2.running():
         await make_effects_table(app1)
         first = asyncio.create_task(source1.deliver(id="msg-0005", body=b'{"key": "T-5"}'))
@@ -165,8 +201,8 @@ async def test_heartbeat_keeps_a_long_handler_alive(database_url: str) -> None:
 
 
 @pytest.mark.parametrize("single", [False, True], ids=["two-txn", "one-txn"])
-async def test_retryable_failures_then_success(database_url: str, single: bool) -> None:
-    settings = make_settings(database_url, retry_attempts=2)
+async def test_retryable_failures_then_success(target: Target, single: bool) -> None:
+
     failures = {"left": 3}
 
     async def flaky(ctx: Context) -> None:
@@ -174,7 +210,7 @@ async def test_retryable_failures_then_success(database_url: str, single: bool) 
             failures["left"] -= 1
             raise ConnectionError("downstream unavailable")
 
-    app, source, runs = build(settings, single_transaction=single, extra=flaky)
+    app, source, runs = build(target, single_transaction=single, extra=flaky, retry_attempts=2)
     async with app.running():
         await make_effects_table(app)
         first = await source.deliver(id="msg-0006", body=b'{"key": "T-6"}')
@@ -187,11 +223,11 @@ async def test_retryable_failures_then_success(database_url: str, single: bool) 
 
 
 @pytest.mark.parametrize("single", [False, True], ids=["two-txn", "one-txn"])
-async def test_terminal_failure_is_parked_and_rolled_back(database_url: str, single: bool) -> None:
+async def test_terminal_failure_is_parked_and_rolled_back(target: Target, single: bool) -> None:
     async def reject(ctx: Context) -> None:
         raise TerminalError("ticket is malformed", reason="bad_ticket")
 
-    app, source, runs = build(make_settings(database_url), single_transaction=single, extra=reject)
+    app, source, runs = build(target, single_transaction=single, extra=reject)
     async with app.running():
         await make_effects_table(app)
         result = await source.deliver(id="msg-0007", body=b'{"key": "T-7"}')
@@ -207,12 +243,11 @@ async def test_terminal_failure_is_parked_and_rolled_back(database_url: str, sin
 
 
 @pytest.mark.parametrize("single", [False, True], ids=["two-txn", "one-txn"])
-async def test_max_deliveries_exhausts(database_url: str, single: bool) -> None:
+async def test_max_deliveries_exhausts(target: Target, single: bool) -> None:
     async def always(ctx: Context) -> None:
         raise RetryableError("still down", delay=0.0)
 
-    settings = make_settings(database_url, max_deliveries=3)
-    app, source, _ = build(settings, single_transaction=single, extra=always)
+    app, source, _ = build(target, single_transaction=single, extra=always, max_deliveries=3)
     async with app.running():
         await make_effects_table(app)
         outcomes = [(await source.deliver(id="msg-0008", body=b'{"key": "T-8"}')).outcome for _ in range(3)]

@@ -1,4 +1,6 @@
-"""Handlers registered with driver="asyncpg": the same guarantees through ctx.connection (PostgreSQL)."""
+"""What is particular to handlers on PostgreSQL's asyncpg driver: the single-transaction path's row
+waits, ctx.db and ctx.connection in one transaction, and SQLite refusing driver="asyncpg". (The
+pipeline's common cases run for ctx.connection too, in test_pipeline.py.)"""
 
 from __future__ import annotations
 
@@ -63,53 +65,6 @@ async def counts(app: ConsumerApp) -> tuple[int, int]:
     return int(effects), int(rows)
 
 
-@pytest.mark.parametrize("single", [False, True], ids=["two-txn", "one-txn"])
-async def test_duplicate_and_conflict(pg_database: str, single: bool) -> None:
-    app, source, runs = build(pg_database, single=single)
-    async with app.running():
-        await prepare(app)
-        assert (await source.deliver(id="raw-0001", body=b'{"key": "T-1"}')).outcome is Outcome.PROCESSED
-        assert (await source.deliver(id="raw-0001", body=b'{"key": "T-1"}')).outcome is Outcome.DUPLICATE
-        conflict = await source.deliver(id="raw-0001", body=b'{"key": "T-2"}')
-        assert (conflict.outcome, conflict.settlement) == (Outcome.CONFLICT, Settlement.DEAD_LETTER)
-        assert len(runs) == 1
-        assert await counts(app) == (1, 1)  # the effect and its outbox row, committed together
-
-
-@pytest.mark.parametrize("single", [False, True], ids=["two-txn", "one-txn"])
-async def test_failures_roll_back_then_succeed(pg_database: str, single: bool) -> None:
-    failures = {"left": 2}
-
-    async def flaky(ctx: Context) -> None:
-        if failures["left"]:
-            failures["left"] -= 1
-            raise ConnectionError("downstream unavailable")
-
-    app, source, runs = build(pg_database, single=single, after=flaky, retry_attempts=1)
-    async with app.running():
-        await prepare(app)
-        for attempt in (1, 2):
-            result = await source.deliver(id="raw-0002", body=b'{"key": "T-2"}', attempt=attempt)
-            assert result.outcome is Outcome.RETRY
-            assert await counts(app) == (0, 0)
-        assert (await source.deliver(id="raw-0002", body=b'{"key": "T-2"}', attempt=3)).outcome is Outcome.PROCESSED
-        assert runs == [1, 2, 3]
-        assert await counts(app) == (1, 1)
-
-
-@pytest.mark.parametrize("single", [False, True], ids=["two-txn", "one-txn"])
-async def test_terminal_failure_parks_and_writes_nothing(pg_database: str, single: bool) -> None:
-    async def reject(ctx: Context) -> None:
-        raise TerminalError("bad ticket", reason="bad_ticket")
-
-    app, source, _ = build(pg_database, single=single, after=reject)
-    async with app.running():
-        await prepare(app)
-        result = await source.deliver(id="raw-0003", body=b'{"key": "T-3"}')
-        assert (result.outcome, result.reason) == (Outcome.DEAD_LETTERED, "bad_ticket")
-        assert await counts(app) == (0, 0)
-
-
 async def test_one_txn_concurrent_repeat_waits_then_is_a_duplicate(pg_database: str) -> None:
     """Two workers claim one key on the single-transaction path at once: the second's claim waits for
     the first's uncommitted row, finds it completed after its snapshot, looks again: a duplicate."""
@@ -146,23 +101,6 @@ async def test_one_txn_sees_a_live_lease_as_in_progress(pg_database: str) -> Non
         release.set()
         assert (await first).outcome is Outcome.PROCESSED
         assert runs2 == []
-
-
-async def test_late_completion_after_takeover_rolls_back(pg_database: str) -> None:
-    entered, release, freeze = gate()
-
-    app1, source1, _ = build(pg_database, single=False, before=freeze, inbox_lease_seconds=0.3,
-                             inbox_heartbeat_seconds=3600)
-    app2, source2, _ = build(pg_database, single=False)
-    async with app1.running(), app2.running():
-        await prepare(app1)
-        late = asyncio.create_task(source1.deliver(id="raw-0004", body=b'{"key": "T-4"}'))
-        await asyncio.wait_for(entered.wait(), 10)
-        await asyncio.sleep(0.5)
-        assert (await source2.deliver(id="raw-0004", body=b'{"key": "T-4"}')).outcome is Outcome.PROCESSED
-        release.set()
-        assert (await late).outcome is Outcome.LEASE_LOST
-        assert await counts(app1) == (1, 1)
 
 
 @pytest.mark.parametrize("single", [False, True], ids=["two-txn", "one-txn"])
