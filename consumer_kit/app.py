@@ -25,7 +25,7 @@ from consumer_kit.relay import OutboxRelay, Publisher
 from consumer_kit.retry import RetryPolicy
 from consumer_kit.settings import Settings
 from consumer_kit.store import DeadLetters, Inbox, Outbox, create_engine, ensure_schema, utcnow
-from consumer_kit.store.executor import Database
+from consumer_kit.store.connections import Database
 from consumer_kit.store.inbox import Clock
 
 if TYPE_CHECKING:

@@ -27,7 +27,8 @@ from consumer_kit.errors import (
 )
 from consumer_kit.keys import KeyDigester, short, validate_key
 from consumer_kit.settings import Settings
-from consumer_kit.store.executor import Database, Executor, Row
+from consumer_kit.store.connections import Database
+from consumer_kit.store.executor import Executor, Row
 from consumer_kit.store.inbox import Clock, utcnow
 from consumer_kit.store.receipts import Creation, Ending, Found, ReceiptStore, Scope
 

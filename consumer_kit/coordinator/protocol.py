@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 from pydantic import BaseModel, ConfigDict, Field
 
 if TYPE_CHECKING:
-    from consumer_kit.store.executor import Database, Executor, Row
+    from consumer_kit.store.connections import Database
+    from consumer_kit.store.executor import Executor, Row
     from consumer_kit.store.receipts import Creation, Ending
 
 Operation = Literal["session", "delegation"]

@@ -49,7 +49,7 @@ from consumer_kit.pipeline.work import (
 )
 from consumer_kit.settings import Settings
 from consumer_kit.store import DeadLetters, Inbox
-from consumer_kit.store.executor import Database
+from consumer_kit.store.connections import Database
 
 __all__ = ["Handler", "HandlerSpec", "Pipeline", "format_exception", "redact", "session_request"]
 

@@ -19,7 +19,8 @@ from consumer_kit.delivery import Delivery, Source
 from consumer_kit.keys import KeyDigester, OperationKey, short
 from consumer_kit.settings import Settings
 from consumer_kit.store import Claim, DeadLetters, Inbox, OutboxWriter
-from consumer_kit.store.executor import Database, Executor
+from consumer_kit.store.connections import Database
+from consumer_kit.store.executor import Executor
 
 log = logging.getLogger("consumer_kit.pipeline")
 

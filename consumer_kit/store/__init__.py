@@ -5,9 +5,10 @@ coordinator's receipts; plus schema management.
 The store owns every SQL statement; the pipeline, the coordinator and the sources call its methods.
 """
 
+from consumer_kit.store.connections import Database
 from consumer_kit.store.database import create_engine, ensure_schema, schema_revisions, upgrade
 from consumer_kit.store.dead_letters import DeadLetter, DeadLetters
-from consumer_kit.store.executor import Database, Executor
+from consumer_kit.store.executor import Executor
 from consumer_kit.store.inbox import Claim, ClaimStatus, Inbox, utcnow
 from consumer_kit.store.outbox import Outbox, OutboxBatch, OutboxMessage, OutboxStats, OutboxWriter
 from consumer_kit.store.tables import dead_letters, inbox, metadata, outbox

@@ -9,7 +9,8 @@ from datetime import datetime
 from typing import Any
 
 from consumer_kit.store import sql
-from consumer_kit.store.executor import Database, Executor
+from consumer_kit.store.connections import Database
+from consumer_kit.store.executor import Executor
 from consumer_kit.store.inbox import Clock, utcnow
 
 

@@ -1,7 +1,7 @@
 """The store's one seam to the database: a connection that runs :mod:`~consumer_kit.store.sql` statements.
 
-:class:`Database` opens connections on the app's SQLAlchemy engine and chooses, once, how statements
-run on them (:class:`Executor`):
+:class:`~consumer_kit.store.connections.Database` opens connections on the app's SQLAlchemy engine
+and chooses, once, how statements run on them (:class:`Executor`):
 
 - :class:`AsyncpgExecutor` when the engine's driver is asyncpg: the store's statements go straight to
   the asyncpg connection under SQLAlchemy's (``AsyncConnection.get_raw_connection().driver_connection``,
@@ -37,9 +37,8 @@ from datetime import UTC, datetime
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from sqlalchemy import bindparam, event, text
-from sqlalchemy.exc import DisconnectionError
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
+from sqlalchemy import bindparam, text
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 from sqlalchemy.sql.elements import TextClause
 
 from consumer_kit.store.database import DEFERRED
@@ -124,7 +123,7 @@ class SqlAlchemyExecutor(Executor):
     """Statements and transactions through SQLAlchemy (SQLite, and PostgreSQL on psycopg).
 
     Every database call runs to its end even when the delivery is cancelled meanwhile (the
-    cancellation is raised right after it, see :func:`_to_the_end`): a ``CancelledError`` thrown into
+    cancellation is raised right after it, see :func:`to_the_end`): a ``CancelledError`` thrown into
     SQLAlchemy's async adapters loses the driver's cursor mid-statement (aiosqlite then keeps the
     statement open and the write lock held until the garbage collector finds the cursor)."""
 
@@ -149,7 +148,7 @@ class SqlAlchemyExecutor(Executor):
             finally:
                 await self._deferred(False)
 
-        return await _to_the_end(run())
+        return await to_the_end(run())
 
     async def execute(self, statement: Statement, params: Params) -> int:
         return int(await self._run(statement, params, rows=False))
@@ -178,27 +177,27 @@ class SqlAlchemyExecutor(Executor):
                 await self._deferred(False)
 
         try:
-            await _to_the_end(start())
+            await to_the_end(start())
         except BaseException:  # cancelled once it had begun: end it here, not in the pool's reset
             if transaction.is_active:
-                await _to_the_end(transaction.rollback())
+                await to_the_end(transaction.rollback())
             raise
         try:
             yield
         except BaseException:
-            await _to_the_end(transaction.rollback())
+            await to_the_end(transaction.rollback())
             raise
-        await _to_the_end(transaction.commit())
+        await to_the_end(transaction.commit())
 
     async def _deferred(self, deferred: bool) -> None:
         if self._sqlite:
             await self._conn.execution_options(**{DEFERRED: deferred})
 
     async def close_session(self) -> None:
-        await _to_the_end(super().close_session())
+        await to_the_end(super().close_session())
 
 
-async def _to_the_end(awaitable: Awaitable[T]) -> T:
+async def to_the_end(awaitable: Awaitable[T]) -> T:
     """Await ``awaitable`` to its end even if the awaiting task is cancelled meanwhile; then raise the
     cancellation. (A database call on SQLite is local and short; the busy timeout bounds it.)"""
     task = asyncio.ensure_future(awaitable)
@@ -285,156 +284,6 @@ class AsyncpgExecutor(Executor):
             self.discarded = True
             log.warning("a database connection was left in doubt (interrupted transaction); discarding it")
             self._driver.terminate()
-
-
-class Database:
-    """The store's database: the app's SQLAlchemy engine, and the executor chosen once for its driver.
-
-    On asyncpg the store's own statements (claims, lookups, completions of handlers registered with
-    ``driver="asyncpg"``) run on a small asyncpg pool the store owns outright, made on first use and
-    sized like the engine's pool: an asyncpg checkout costs a fifth of an SQLAlchemy one (whose
-    async layer is three greenlet switches a checkout). Work that needs ``ctx.db`` takes an
-    SQLAlchemy connection (``connect(session=True)``), and so does lease upkeep (renewals, releases),
-    so that handlers holding every store connection cannot starve it.
-    """
-
-    def __init__(self, engine: AsyncEngine, *, pool_size: int | None = None) -> None:
-        self.engine = engine
-        self.dialect = engine.dialect.name
-        self.asyncpg = engine.dialect.driver == "asyncpg"
-        self._pool: asyncpg.Pool | None = None
-        self._opening: asyncio.Future[asyncpg.Pool] | None = None
-        self._pool_size = pool_size or _pool_size(engine)
-        if self.asyncpg:
-            # Autocommit: SQLAlchemy never begins or ends a transaction on these connections; the
-            # executor's own (asyncpg) transactions do. The option only changes a flag per checkout.
-            self._engine = engine.execution_options(isolation_level="AUTOCOMMIT")
-            if not event.contains(engine.sync_engine, "checkout", _refuse_in_doubt):
-                event.listen(engine.sync_engine, "checkout", _refuse_in_doubt)
-            # The engine's disposal closes the store's pool too (abruptly: nothing is in flight then).
-            event.listen(engine.sync_engine, "engine_disposed", lambda _engine: self._terminate())
-        else:
-            self._engine = engine
-
-    @contextlib.asynccontextmanager
-    async def connect(self, *, session: bool = False) -> AsyncIterator[Executor]:
-        """A connection for a unit of work; statements autocommit outside ``begin()``. ``session``: it
-        also serves an SQLAlchemy ``AsyncSession`` (``ctx.db``)."""
-        if not self.asyncpg:
-            async with self._sqlalchemy() as executor:
-                yield executor
-        elif session:
-            async with self._engine.connect() as conn:
-                raw = await conn.get_raw_connection()
-                executor = AsyncpgExecutor(raw.driver_connection, conn)
-                try:
-                    yield executor
-                finally:
-                    try:
-                        await executor.close_session()
-                    finally:
-                        if executor.discarded or executor.driver.is_in_transaction():
-                            executor.discard()
-                            await conn.invalidate()
-        else:
-            pool = self._pool or await self._open_pool()
-            # asyncpg shields its own release; a connection still inside a transaction is rolled back
-            # by it, and one the executor terminated is replaced.
-            async with pool.acquire() as driver:
-                executor = AsyncpgExecutor(driver)
-                try:
-                    yield executor
-                finally:
-                    if not executor.discarded and driver.is_in_transaction():
-                        executor.discard()
-
-    async def _open_pool(self) -> asyncpg.Pool:
-        # One opening for all the first callers at once (each would open a pool, and a connection).
-        if self._opening is None:
-            self._opening = asyncio.ensure_future(self._create_pool())
-        try:
-            return await asyncio.shield(self._opening)
-        except BaseException:
-            if self._opening.done() and (self._opening.cancelled() or self._opening.exception() is not None):
-                self._opening = None  # failed: the next caller tries again
-            raise
-
-    async def _create_pool(self) -> asyncpg.Pool:
-        import asyncpg
-
-        dsn = self.engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
-        pool = await asyncpg.create_pool(dsn, min_size=1, max_size=self._pool_size, init=_json_codec,
-                                         reset=_transaction_scoped_reset)
-        assert pool is not None
-        self._pool = pool
-        return pool
-
-    async def close(self) -> None:
-        """Close the store's own pool, if it opened one (the engine is the caller's)."""
-        pool, self._pool, self._opening = self._pool, None, None
-        if pool is not None:
-            await pool.close()
-
-    def _terminate(self) -> None:
-        pool, self._pool, self._opening = self._pool, None, None
-        if pool is not None:
-            pool.terminate()
-
-    @contextlib.asynccontextmanager
-    async def _sqlalchemy(self) -> AsyncIterator[Executor]:
-        conn = self._engine.connect()
-        try:
-            await _to_the_end(conn.start())
-        except BaseException:  # cancelled once it was checked out: give it back
-            if conn.sync_connection is not None:
-                await _to_the_end(conn.close())
-            raise
-        executor = SqlAlchemyExecutor(conn)
-        try:
-            yield executor
-        finally:
-            try:
-                await executor.close_session()
-            finally:
-                await _to_the_end(conn.close())
-
-    def needs_session_connection(self, uses_db: bool) -> bool:
-        """Whether work that uses ``ctx.db`` needs a connection of the other kind (asyncpg only)."""
-        return self.asyncpg and uses_db
-
-    @contextlib.asynccontextmanager
-    async def transaction(self, *, deferred: bool = False, session: bool = False) -> AsyncIterator[Executor]:
-        """A connection inside a transaction, for one short unit of work."""
-        async with self.connect(session=session) as executor, executor.begin(deferred=deferred):
-            yield executor
-
-
-def _pool_size(engine: AsyncEngine) -> int:
-    size = getattr(engine.pool, "size", None)
-    return int(size()) if callable(size) else 5
-
-
-async def _json_codec(connection: asyncpg.Connection) -> None:
-    """The store's pool reads and writes JSON as SQLAlchemy's asyncpg dialect sets it up (text in,
-    parsed values out), so that statements behave the same on either kind of connection."""
-    await connection.set_type_codec("json", encoder=str.encode, decoder=lambda value: json.loads(value.decode()),
-                                    schema="pg_catalog", format="binary")
-
-
-async def _transaction_scoped_reset(connection: asyncpg.Connection) -> None:
-    """Pool reset: nothing beyond what asyncpg always does (end a transaction left open). Like
-    SQLAlchemy's pool, the store's resets only what a transaction scopes: its statements change no
-    session state, and asyncpg's full reset would cost a round trip per checkout."""
-
-
-def _refuse_in_doubt(dbapi_connection: Any, _record: Any, _proxy: Any) -> None:
-    """Pool ``checkout`` hook: a connection that is closed or still inside a transaction is thrown
-    away and another one checked out."""
-    driver = dbapi_connection.driver_connection
-    if driver.is_closed() or driver.is_in_transaction():
-        log.warning("discarding a pooled database connection that was %s",
-                    "closed" if driver.is_closed() else "inside a transaction")
-        raise DisconnectionError("connection in doubt")
 
 
 # --- statement forms --------------------------------------------------------------------------------

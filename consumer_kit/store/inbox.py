@@ -20,7 +20,8 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from consumer_kit.store import sql
-from consumer_kit.store.executor import Database, Executor, Row
+from consumer_kit.store.connections import Database
+from consumer_kit.store.executor import Executor, Row
 from consumer_kit.store.receipts import Creation, Ending
 
 Clock = Callable[[], datetime]

@@ -27,7 +27,8 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
 from consumer_kit.keys import KeyDigester, OperationKey
 from consumer_kit.store import sql
-from consumer_kit.store.executor import Database, Executor, Row, SqlAlchemyExecutor
+from consumer_kit.store.connections import Database
+from consumer_kit.store.executor import Executor, Row, SqlAlchemyExecutor
 from consumer_kit.store.inbox import Clock, utcnow
 
 NOTIFY_CHANNEL = "consumer_kit_outbox"

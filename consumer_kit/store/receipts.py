@@ -22,7 +22,8 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from consumer_kit.store import sql
-from consumer_kit.store.executor import Database, Executor, Row
+from consumer_kit.store.connections import Database
+from consumer_kit.store.executor import Executor, Row
 
 STRIPES = 16
 """Rows the live-receipt count of one scope is spread over (see :meth:`ReceiptStore._take_slot`)."""
