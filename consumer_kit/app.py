@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import signal
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
@@ -357,11 +356,8 @@ class ConsumerApp:
         return build(self)
 
     async def serve(self) -> None:
-        """Run until SIGTERM or SIGINT, then shut down gracefully (what ``consumer-kit run`` does)."""
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        async with self.running():
-            await stop.wait()
-            log.info("signal received: draining")
+        """Run until SIGTERM or SIGINT, then shut down gracefully (what ``consumer-kit run`` does); a
+        signal during the start-up cancels it and closes what it had opened."""
+        from consumer_kit.signals import run_app, stop_event
+
+        await run_app(self, stop_event())

@@ -68,8 +68,9 @@ class Database:
                 yield executor
         elif session:
             async with self._engine.connect() as conn:
-                raw = await conn.get_raw_connection()
-                executor = AsyncpgExecutor(raw.driver_connection, conn)
+                # Connection.connection (the pooled DB-API connection) of a connection just checked out
+                # is an attribute, not I/O: it spares get_raw_connection()'s trip through a greenlet.
+                executor = AsyncpgExecutor(conn.sync_connection.connection.driver_connection, conn)  # type: ignore[union-attr]
                 try:
                     yield executor
                 finally:

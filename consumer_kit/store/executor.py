@@ -4,7 +4,7 @@
 and chooses, once, how statements run on them (:class:`Executor`):
 
 - :class:`AsyncpgExecutor` when the engine's driver is asyncpg: the store's statements go straight to
-  the asyncpg connection under SQLAlchemy's (``AsyncConnection.get_raw_connection().driver_connection``,
+  the asyncpg connection under SQLAlchemy's (``Connection.connection.driver_connection``,
   public API), at asyncpg's cost per statement instead of SQLAlchemy's; transactions are asyncpg's,
   and the SQLAlchemy connection stays in autocommit so that it never begins or ends one of its own. A
   handler's ``ctx.db`` (an ``AsyncSession`` on the same connection) and ``ctx.connection`` (the asyncpg
