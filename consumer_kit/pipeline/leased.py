@@ -73,21 +73,19 @@ class LeasedPath:
             if claim is not None and claim.lease_token is not None:
                 # Shielded: a second cancellation must not keep the lease from being given back.
                 with contextlib.suppress(Exception):
-                    await asyncio.shield(self._release(work, "cancelled"))
+                    await asyncio.shield(self._release(work, "cancelled", work.connection, aside=True))
             raise
         finally:
             heartbeat.cancel()
 
     async def _run(self, work: Work) -> Result:
-        database = self.stores.database
-        async with database.connect() as ex:
+        # One connection from the claim to the commit; one that serves ctx.db when the handler may
+        # use it (SQLAlchemy's, on asyncpg), else the store pool's.
+        async with self.stores.database.connect(session=work.spec.uses_db) as ex:
+            work.connection = ex
             settled = await self._claim(ex, work)
             if settled is not None:
                 return settled
-            if not database.needs_session_connection(work.spec.uses_db):
-                return await self._handle(ex, work)
-        # A handler that writes through ctx.db runs on a connection that also serves SQLAlchemy.
-        async with database.connect(session=True) as ex:
             return await self._handle(ex, work)
 
     async def _claim(self, ex: Executor, work: Work) -> Result | None:
@@ -193,11 +191,12 @@ class LeasedPath:
         except Exception as exc:
             work.log(logging.WARNING, f"ending the coordinator session failed ({type(exc).__name__})")
 
-    async def _release(self, work: Work, error: str, ex: Executor | None = None) -> None:
-        """Give the lease back, on ``ex`` or (none given, or it was discarded) a connection of its own."""
+    async def _release(self, work: Work, error: str, ex: Executor | None, *, aside: bool = False) -> None:
+        """Give the lease back, on ``ex`` (the delivery's connection), or on a connection aside when
+        told so or when ``ex`` was lost."""
         claim = work.claim
         assert claim is not None and claim.lease_token is not None
-        async with usable(self.stores, ex) as on:
+        async with (self.stores.database.aside(ex) if aside else usable(self.stores, ex)) as on:
             await self.stores.inbox.release(on, work.spec.consumer, claim.digest, claim.lease_token, error=error)
 
     async def _renew(self, work: Work) -> None:
@@ -210,7 +209,7 @@ class LeasedPath:
         interval = stores.settings.heartbeat_seconds
         while True:
             try:
-                async with usable(stores, None) as ex:
+                async with stores.database.aside(work.connection) as ex:
                     if not await stores.inbox.renew(ex, work.spec.consumer, claim.digest, token):
                         return  # taken over; the completion will fail and roll back
             except Exception as exc:  # the next beat may get through before the lease runs out

@@ -33,15 +33,12 @@ class SinglePath:
     async def run(self, work: Work) -> Result:
         """Look, then claim and run in one transaction; settle."""
         stores, spec = self.stores, work.spec
-        database = stores.database
-        async with database.connect() as ex:
+        # One connection: one that serves ctx.db when the handler may use it (SQLAlchemy's, on
+        # asyncpg), else the store pool's.
+        async with stores.database.connect(session=spec.uses_db) as ex:
             existing = await stores.inbox.lookup(ex, spec.consumer, work.digests)
             if existing is not None and not claimable(existing, work.fingerprint, stores.inbox.clock()):
                 return await self.fate.not_acquired(work, verdict(existing, work.fingerprint), ex)
-            if not database.needs_session_connection(spec.uses_db):
-                return await self._handle(ex, work)
-        # A handler that writes through ctx.db runs on a connection that also serves SQLAlchemy.
-        async with database.connect(session=True) as ex:
             return await self._handle(ex, work)
 
     async def _handle(self, ex: Executor, work: Work) -> Result:

@@ -61,6 +61,7 @@ class Work:
     digests: Sequence[str]  # the key's digest under the current HMAC key, then the previous one
     fingerprint: str
     claim: Claim | None = None
+    connection: Executor | None = None  # the one the delivery holds, once it holds one
     request: SessionRequest | None = None
     receipt: SessionReceipt | None = None
     _digest: str = field(default="")
@@ -97,13 +98,13 @@ class Stores:
 
 @contextlib.asynccontextmanager
 async def usable(stores: Stores, ex: Executor | None) -> AsyncIterator[Executor]:
-    """``ex`` (the delivery's connection), or, when there is none or it was discarded (lost), one of
-    SQLAlchemy's pool: never a second connection of the store's own pool, which every delivery could
-    be holding while it waited for one."""
+    """``ex`` (the delivery's connection), or, when there is none or it was discarded (lost), one
+    aside (:meth:`~consumer_kit.store.connections.Database.aside`): never a second connection of the
+    pool the delivery holds one of, which every delivery could be holding while it waited for one."""
     if ex is not None and not ex.discarded:
         yield ex
         return
-    async with stores.database.connect(session=True) as own:
+    async with stores.database.aside(ex) as own:
         yield own
 
 

@@ -142,9 +142,11 @@ class Database:
             finally:
                 await to_the_end(conn.close())
 
-    def needs_session_connection(self, uses_db: bool) -> bool:
-        """Whether work that uses ``ctx.db`` needs a connection of the other kind (asyncpg only)."""
-        return self.asyncpg and uses_db
+    def aside(self, holding: Executor | None) -> contextlib.AbstractAsyncContextManager[Executor]:
+        """A connection for short work beside a delivery that holds ``holding`` (its lease's upkeep,
+        parking it once that connection was lost): from the other pool than ``holding``'s on asyncpg,
+        so that deliveries holding every connection of one pool cannot starve it."""
+        return self.connect(session=not (isinstance(holding, AsyncpgExecutor) and holding.has_session))
 
     @contextlib.asynccontextmanager
     async def transaction(self, *, deferred: bool = False, session: bool = False) -> AsyncIterator[Executor]:

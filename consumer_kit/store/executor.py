@@ -224,6 +224,11 @@ class AsyncpgExecutor(Executor):
             self._conn = conn
 
     @property
+    def has_session(self) -> bool:
+        """Whether this connection is SQLAlchemy's (and serves ``ctx.db``), not the store pool's."""
+        return hasattr(self, "_conn")
+
+    @property
     def session(self) -> AsyncSession:
         if not hasattr(self, "_conn"):
             raise SessionUnavailable("this connection was checked out without an SQLAlchemy session")
