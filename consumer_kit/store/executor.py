@@ -239,22 +239,22 @@ class AsyncpgExecutor(Executor):
         return self._driver
 
     async def execute(self, statement: Statement, params: Params) -> int:
-        sql, names = _numbered(statement)
+        sql, names = numbered(statement)
         return _rowcount(await self._driver.execute(sql, *_args(names, params)))
 
     async def fetch_one(self, statement: Statement, params: Params) -> Row | None:
-        sql, names = _numbered(statement)
+        sql, names = numbered(statement)
         row: Row | None = await self._driver.fetchrow(sql, *_args(names, params))
         return row
 
     async def fetch_all(self, statement: Statement, params: Params) -> list[Row]:
-        sql, names = _numbered(statement)
+        sql, names = numbered(statement)
         rows: list[Row] = await self._driver.fetch(sql, *_args(names, params))
         return rows
 
     async def execute_many(self, statement: Statement, params: Sequence[Params]) -> None:
         if params:
-            sql, names = _numbered(statement)
+            sql, names = numbered(statement)
             await self._driver.executemany(sql, [_args(names, p) for p in params])
 
     @contextlib.asynccontextmanager
@@ -297,7 +297,7 @@ _PARAM = re.compile(r"(?<![:\w]):([A-Za-z_]\w*)")
 
 
 @lru_cache(maxsize=256)
-def _numbered(statement: Statement) -> tuple[str, tuple[tuple[str, bool], ...]]:
+def numbered(statement: Statement) -> tuple[str, tuple[tuple[str, bool], ...]]:
     """PostgreSQL's text with ``$n`` for each distinct ``:name``, and the names in order (with
     whether each is JSON, which asyncpg takes as text)."""
     names: list[str] = []

@@ -78,11 +78,11 @@ class Inbox:
 
     async def lookup(self, ex: Executor, consumer: str, digests: Sequence[str]) -> Row | None:
         """The row stored under any of ``digests`` (current HMAC key first), without a lock."""
-        rows = await ex.fetch_all(sql.LOOKUP, {"consumer": consumer, "key_digest": digests[0],
-                                               "previous": digests[-1]})
-        if len(rows) > 1:
-            return next(row for row in rows if row["key_digest"] == digests[0])
-        return rows[0] if rows else None
+        for digest in digests:
+            row = await ex.fetch_one(sql.LOOKUP, {"consumer": consumer, "key_digest": digest})
+            if row is not None:
+                return row
+        return None
 
     async def claim(self, ex: Executor, consumer: str, digests: Sequence[str], fingerprint: str, *,
                     namespace: str, version: int, creation: Creation | None = None) -> Claim:

@@ -220,10 +220,11 @@ class ReceiptStore:
         return found if found is not None and found["receipt_expires_at"] > self.clock() else None
 
     async def _find(self, ex: Executor, scope: Scope, digests: Sequence[str]) -> Row | None:
-        rows = await ex.fetch_all(sql.FIND_RECEIPT, {**scope.params(), "receipt_digest": digests[0],
-                                                     "previous": digests[-1]})
-        by_digest = {row["key_digest"]: row for row in rows}
-        return next((by_digest[d] for d in digests if d in by_digest), None)
+        for digest in digests:  # current HMAC key first
+            row = await ex.fetch_one(sql.FIND_RECEIPT, {**scope.params(), "receipt_digest": digest})
+            if row is not None:
+                return row
+        return None
 
     async def _take_slot(self, ex: Executor, scope: Scope, stripe: int, cap: int, now: datetime) -> None:
         """Count one more live receipt in ``scope`` or raise ``_AtCap``.

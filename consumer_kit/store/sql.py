@@ -65,9 +65,11 @@ INBOX_COLUMNS = (
     "consumer, key_digest, namespace, version, fingerprint, state, locked_until, lease_token, attempts,"
     " outcome, result, last_error, created_at, updated_at, expires_at"
 )
-# ``previous`` is the digest under the previous HMAC key during a rotation, else the same digest again.
-LOOKUP = Statement(f"SELECT {INBOX_COLUMNS} FROM inbox WHERE consumer = :consumer"
-                   " AND key_digest IN (:key_digest, :previous)")
+# Equality on the whole key, never IN (...): PostgreSQL plans a prepared statement once (generically,
+# after five runs), and on a table still empty then it plans key_digest IN ($2, $3) as a filter over
+# every row of the consumer, which stays the plan of that connection as the table grows (a lookup in
+# milliseconds at tens of thousands of rows). A row under the previous HMAC key is a second lookup.
+LOOKUP = Statement(f"SELECT {INBOX_COLUMNS} FROM inbox WHERE consumer = :consumer AND key_digest = :key_digest")
 
 # The two-transaction claim (seed 003, txn 1), in autocommit: insert the row, or take over a started
 # row for the same request whose lease ran out or was released; concurrent claimers serialise on the
@@ -233,7 +235,7 @@ FIND_RECEIPT = Statement(
     " s.status AS resource_status, s.expires_at AS resource_expires_at"
     " FROM idempotency_receipts r LEFT JOIN coordinator_resources s ON s.id = r.resource_id"
     " WHERE r.tenant = :tenant AND r.application = :application AND r.operation = :operation"
-    " AND r.key_digest IN (:receipt_digest, :previous)"
+    " AND r.key_digest = :receipt_digest"  # equality: see LOOKUP
 )
 INSERT_RECEIPT = Statement(
     "INSERT INTO idempotency_receipts (tenant, application, operation, key_digest, fingerprint, resource_id,"

@@ -302,3 +302,32 @@ async def test_postgres_refuses_an_out_of_date_schema(tmp_path: object) -> None:
             pass
     finally:
         run_in_thread(_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("name", ["LOOKUP", "FIND_RECEIPT", "CLAIM"])
+async def test_hot_statements_find_their_row_by_the_whole_key(pg_database: str, name: str) -> None:
+    """PostgreSQL plans a prepared statement once for every later run (a generic plan), and on the
+    empty tables of a new deployment. Each hot statement must find its row through the whole primary
+    key then, or a lookup becomes a scan of every row as the table grows (it did, with IN (...))."""
+    from consumer_kit.store import sql
+    from consumer_kit.store.executor import numbered
+
+    statement = getattr(sql, name)
+    text_with_dollars, names = numbered(statement)
+    engine = create_engine(pg_database)
+    try:
+        async with engine.connect() as conn:
+            driver = (await conn.get_raw_connection()).driver_connection
+            assert driver is not None
+            await driver.execute("SET plan_cache_mode = force_generic_plan")
+            types = ", ".join("unknown" for _ in names)
+            await driver.execute(f"PREPARE hot ({types}) AS {text_with_dollars}")
+            plan = "\n".join(row[0] for row in await driver.fetch(
+                f"EXPLAIN EXECUTE hot ({', '.join('NULL' for _ in names)})"))
+            await driver.execute("DEALLOCATE hot")
+            await conn.rollback()
+    finally:
+        await engine.dispose()
+    # With key_digest IN ($2, $3) the plan's index condition was the consumer alone, key_digest a filter.
+    assert any("Index Cond" in line and "key_digest" in line for line in plan.splitlines()), plan
