@@ -291,6 +291,15 @@ class AsyncpgExecutor(Executor):
             self._driver.terminate()
 
 
+def lost_to_a_conflict(exc: BaseException) -> bool:
+    """Whether PostgreSQL aborted the transaction for a deadlock or a serialization failure (SQLSTATE
+    40P01, 40001): it rolled back, and running it again is the documented answer."""
+    for error in (exc, getattr(exc, "orig", None), exc.__cause__):
+        if getattr(error, "sqlstate", None) in ("40P01", "40001"):
+            return True
+    return False
+
+
 # --- statement forms --------------------------------------------------------------------------------
 
 _PARAM = re.compile(r"(?<![:\w]):([A-Za-z_]\w*)")

@@ -23,7 +23,7 @@ from typing import Any
 
 from consumer_kit.store import sql
 from consumer_kit.store.connections import Database
-from consumer_kit.store.executor import Executor, Row
+from consumer_kit.store.executor import Executor, Row, lost_to_a_conflict
 
 STRIPES = 16
 """Rows the live-receipt count of one scope is spread over (see :meth:`ReceiptStore._take_slot`)."""
@@ -141,7 +141,7 @@ class ReceiptStore:
             found = await self._find(ex, scope, digests)
             if found is not None and found["receipt_expires_at"] > self.clock():
                 return _verdict(found, fingerprint, self.clock())
-        for _ in range(3):  # a stale expired receipt is dropped and the insert tried again
+        for _ in range(5):  # a stale expired receipt is dropped, or a deadlock lost, and the insert tried again
             now = self.clock()
             resource_id = secrets.token_hex(16)
             expires_at = now + ttl
@@ -167,6 +167,13 @@ class ReceiptStore:
                 return Found("limit")
             except _Existing:
                 pass
+            except Exception as exc:
+                # The exact path locks a scope's stripes in stripe order, yet PostgreSQL still reported
+                # deadlocks among such lockers under heavy concurrency (waiters queue on a row's tuple
+                # lock). The transaction was rolled back: run it again.
+                if not lost_to_a_conflict(exc):
+                    raise
+                continue
             # The insert met a committed receipt (or waited for a concurrent one to commit).
             async with ex.begin():
                 found = await self._find(ex, scope, digests)

@@ -248,15 +248,9 @@ INSERT_RESOURCE = Statement(
     " VALUES (:resource_id, :tenant, :application, :kind, 'active', :created_at, :resource_expires_at)"
 )
 _SCOPE = "tenant = :tenant AND application = :application AND operation = :operation"
-# A slot in the creation's own stripe, if it has room. On PostgreSQL a stripe another creation holds is
-# skipped (the creation then takes the exact path, which locks every stripe in order): a creation that
-# waited for one stripe would queue ahead of the exact path's ordered locks, and two of those could
-# deadlock through it.
+# A slot in the creation's own stripe, if it has room.
 _STRIPE_WITH_ROOM = f"{_SCOPE} AND stripe = :stripe AND live < :share AND NOT closed"
-TAKE_STRIPE_SLOT = Statement(
-    "UPDATE idempotency_scopes SET live = live + 1 WHERE ctid = (SELECT ctid FROM idempotency_scopes"
-    f" WHERE {_STRIPE_WITH_ROOM} FOR UPDATE SKIP LOCKED)",
-    f"UPDATE idempotency_scopes SET live = live + 1 WHERE {_STRIPE_WITH_ROOM}")
+TAKE_STRIPE_SLOT = Statement(f"UPDATE idempotency_scopes SET live = live + 1 WHERE {_STRIPE_WITH_ROOM}")
 INSERT_STRIPE = Statement(
     "INSERT INTO idempotency_scopes (tenant, application, operation, stripe, live, closed)"
     " VALUES (:tenant, :application, :operation, :stripe, 0, false) ON CONFLICT DO NOTHING")
@@ -298,9 +292,8 @@ def _creation_ctes(gate: str) -> str:
         "  FROM idempotency_receipts r LEFT JOIN coordinator_resources s ON s.id = r.resource_id"
         "  WHERE r.tenant = :tenant AND r.application = :application AND r.operation = :operation"
         "  AND r.key_digest = :receipt_digest),"
-        " slot AS (UPDATE idempotency_scopes SET live = live + 1 WHERE ctid = (SELECT ctid FROM idempotency_scopes"
-        f"  WHERE {_STRIPE_WITH_ROOM} AND NOT EXISTS (SELECT 1 FROM existing){gate}"
-        "  FOR UPDATE SKIP LOCKED) RETURNING 1),"
+        " slot AS (UPDATE idempotency_scopes SET live = live + 1"
+        f"  WHERE {_STRIPE_WITH_ROOM} AND NOT EXISTS (SELECT 1 FROM existing){gate} RETURNING 1),"
         " receipt AS (INSERT INTO idempotency_receipts (tenant, application, operation, key_digest, fingerprint,"
         "  resource_id, response, generated, created_at, expires_at)"
         "  SELECT :tenant, :application, :operation, :receipt_digest, :receipt_fingerprint, :resource_id,"
