@@ -111,9 +111,9 @@ async def _hand_rolled(queue: str, count: int, prefetch: int, dsn: str) -> float
 
 async def _framework(queue: str, count: int, prefetch: int, url: str, *, single: bool) -> float:
     settings = Settings(database_url=url, idempotency_hmac_key="bench-hmac-key-0123456789abcdef",  # type: ignore[arg-type]
-                        # as many as the peer at most: a pool of half, which may overflow by as many again
-                        # (see the printed peaks)
-                        db_pool_size=int(os.environ.get("CK_BENCH_POOL", str(DB_CONNECTIONS // 2))),
+                        # as many as the peer: the store's pool (every statement of a driver='asyncpg'
+                        # delivery), and one kept by SQLAlchemy's (see the printed peaks)
+                        db_pool_size=int(os.environ.get("CK_BENCH_POOL", str(DB_CONNECTIONS - 1))),
                         idempotency_max_receipts_per_scope=100 * count)
     app = ConsumerApp(settings)
     source = RabbitMQSource(queue=queue, namespace="bench", version=1, url=AMQP_URL, prefetch=prefetch)
