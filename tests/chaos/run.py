@@ -28,6 +28,8 @@ from pathlib import Path
 import aio_pika
 import asyncpg
 
+from tests.integration.rabbit import close_connections_named
+
 ROOT = Path(__file__).resolve().parents[2]
 AMQP_URL = "amqp://guest:guest@127.0.0.1:5672/"
 PG_ADMIN = "postgresql://postgres@127.0.0.1:5432/postgres"
@@ -73,19 +75,6 @@ def _queue_counts(prefix: str) -> tuple[int, int]:
             ready += int(parts[1])
             unacked += int(parts[2])
     return ready, unacked
-
-
-def _close_connections(name: str) -> int:
-    out = subprocess.run(["rabbitmqctl", "list_connections", "pid", "client_properties", "-q"],
-                         capture_output=True, text=True, timeout=60, check=True).stdout
-    closed = 0
-    for line in out.splitlines():
-        pid, _, properties = line.partition("\t")
-        if f'{{"connection_name","{name}"}}' in properties:
-            subprocess.run(["rabbitmqctl", "close_connection", pid, "chaos: broker-side cut"],
-                           capture_output=True, timeout=60, check=False)
-            closed += 1
-    return closed
 
 
 class Worker:
@@ -191,7 +180,7 @@ async def run(path: str, messages: int, kills: int, *, settle_seconds: float = 9
             worker.start()
             if number == cut_after:
                 await asyncio.sleep(rng.uniform(1.5, 3.0))
-                _close_connections(f"{queue}-worker")
+                close_connections_named(f"{queue}-worker")
             if number == db_cut_after:
                 await asyncio.sleep(rng.uniform(1.5, 3.0))
                 await db.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
