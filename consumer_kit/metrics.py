@@ -19,7 +19,8 @@ DEAD_LETTERS = Counter(
 )
 IN_FLIGHT = Gauge("consumer_kit_in_flight", "Deliveries being processed now.", ["source"])
 LEASE_TAKEOVERS = Counter(
-    "consumer_kit_inbox_takeovers_total", "Claims that took over an expired or released lease.", ["source"]
+    "consumer_kit_inbox_takeovers_total",
+    "Claims that took over a lease that ran out (its holder crashed or froze), not one given back.", ["source"]
 )
 SWEPT = Counter("consumer_kit_swept_total", "Expired rows deleted by the sweeper.", ["table"])
 SWEEP_FAILURES = Counter("consumer_kit_sweeper_failures_total", "Sweeper runs that failed.", ["table"])

@@ -98,7 +98,7 @@ class LeasedPath:
         if not claim.acquired:
             return await self.fate.not_acquired(work, claim, ex)
         work.claim = claim
-        if claim.attempts > 1:
+        if claim.took_over:
             metrics.LEASE_TAKEOVERS.labels(spec.source.name).inc()
         if invalid is not None:
             return await self.fate.dead(work, "invalid_session_request", invalid, ex)

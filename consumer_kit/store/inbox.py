@@ -55,6 +55,7 @@ class Claim:
     locked_until: datetime | None = None
     result: Any = None
     carried: Row | None = None
+    took_over: bool = False  # the lease taken ran out without being given back (its holder died)
 
     @property
     def acquired(self) -> bool:
@@ -91,6 +92,7 @@ class Inbox:
         previous one is still honoured. ``creation`` (PostgreSQL) commits in the claim's statement when,
         and only when, the claim takes the lease; its row is ``Claim.carried``."""
         digest = digests[0]
+        expired = False  # the row's lease ran out rather than being given back
         if not self._pg or len(digests) > 1:
             # A plain read first: a redelivery of finished work then costs one indexed SELECT and no
             # write. (On PostgreSQL the claim statement makes the same test itself.)
@@ -98,7 +100,7 @@ class Inbox:
             if existing is not None:
                 if not claimable(existing, fingerprint, self.clock()):
                     return verdict(existing, fingerprint)
-                digest = existing["key_digest"]
+                digest, expired = existing["key_digest"], existing["locked_until"] is not None
         now = self.clock()
         params = {"consumer": consumer, "key_digest": digest, "namespace": namespace, "version": version,
                   "fingerprint": fingerprint, "locked_until": now + self.lease,
@@ -110,7 +112,8 @@ class Inbox:
                 row = await ex.fetch_one(sql.CLAIM, params)
             assert row is not None
             if row["claimed"] is not None:
-                return self._acquired(digest, row["claimed"], params, row if creation is not None else None)
+                return self._acquired(digest, row["claimed"], params, row if creation is not None else None,
+                                      took_over=row["inbox_locked_until"] is not None)
             if row["inbox_state"] is not None:
                 seen = {name: row[f"inbox_{name}"] for name in
                         ("state", "fingerprint", "locked_until", "attempts", "result")}
@@ -119,7 +122,7 @@ class Inbox:
         else:
             row = await ex.fetch_one(sql.CLAIM_SQLITE, params)
             if row is not None:
-                return self._acquired(digest, row["attempts"], params, None)
+                return self._acquired(digest, row["attempts"], params, None, took_over=expired)
         # Another claim got there after our statement's snapshot: its committed row decides.
         found = await self.lookup(ex, consumer, [digest])
         if found is None:  # swept in between: a brand-new key after all
@@ -128,9 +131,10 @@ class Inbox:
         return verdict(found, fingerprint)
 
     @staticmethod
-    def _acquired(digest: str, attempts: int, params: Mapping[str, Any], carried: Row | None) -> Claim:
+    def _acquired(digest: str, attempts: int, params: Mapping[str, Any], carried: Row | None, *,
+                  took_over: bool) -> Claim:
         return Claim(ClaimStatus.ACQUIRED, digest, int(attempts), params["lease_token"], params["locked_until"],
-                     carried=carried)
+                     carried=carried, took_over=took_over)
 
     async def claim_completed(self, ex: Executor, consumer: str, digests: Sequence[str], fingerprint: str, *,
                               namespace: str, version: int, outcome: str) -> Claim:

@@ -124,17 +124,22 @@ async def test_the_claim_and_completion_answer_every_state(database: Database) -
     clock = Clock()
     store = Inbox(database, lease_seconds=30, retention_seconds=3600, clock=clock)
     first = await claim(database, store, "k1")
-    assert first.acquired and first.attempts == 1
+    assert first.acquired and first.attempts == 1 and not first.took_over
     assert (await claim(database, store, "k1")).status is ClaimStatus.IN_PROGRESS
     clock.now += timedelta(seconds=31)  # the holder crashed: its lease runs out
     second = await claim(database, store, "k1")
-    assert second.acquired and second.attempts == 2
+    assert second.acquired and second.attempts == 2 and second.took_over  # a takeover, counted as one
     assert not await complete(database, store, first)  # the old holder's completion: lease lost
     assert await complete(database, store, second)
     assert (await claim(database, store, "k1")).status is ClaimStatus.COMPLETED
     async with database.connect() as ex:
         other = await store.claim(ex, "c", ["k1".ljust(64, "0")], "other", namespace="ns", version=1)
         assert other.status is ClaimStatus.CONFLICT
+        given_back = await store.claim(ex, "c", ["k5".ljust(64, "0")], "fp", namespace="ns", version=1)
+        assert given_back.lease_token is not None
+        assert await store.release(ex, "c", given_back.digest, given_back.lease_token, error="failed")
+        again = await store.claim(ex, "c", ["k5".ljust(64, "0")], "fp", namespace="ns", version=1)
+        assert again.acquired and again.attempts == 2 and not again.took_over  # a retry, not a takeover
         parked = await store.claim(ex, "c", ["k2".ljust(64, "0")], "fp", namespace="ns", version=1)
         assert await store.mark_dead(ex, "c", parked.digest, parked.lease_token, reason="poison")
         assert (await claim(database, store, "k2")).status is ClaimStatus.DEAD
