@@ -219,7 +219,9 @@ class ConsumerApp:
             settings=settings,
             database=database,
             inbox=Inbox(database, lease_seconds=settings.inbox_lease_seconds,
-                        retention_seconds=settings.inbox_retention_seconds, clock=self.clock),
+                        retention_seconds=settings.inbox_retention_seconds, clock=self.clock,
+                        tombstone_seconds=settings.inbox_tombstone_seconds
+                        if settings.late_delivery_policy == "park" else 0),
             dead_letters=DeadLetters(database, clock=self.clock),
             digester=digester,
             http=self._http,

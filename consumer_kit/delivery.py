@@ -56,6 +56,10 @@ class Delivery:
     attributes: Mapping[str, str] = field(default_factory=dict)
     attempt: int = 1
     received_at: datetime = field(default_factory=functools.partial(datetime.now, UTC))
+    sent_at: datetime | None = None
+    """When the work was sent, by the source's own clock (AMQP ``timestamp``, SQS ``SentTimestamp``,
+    a CloudEvent's ``time``, a schedule's intended time); ``None`` when the source does not say. A
+    delivery older than the inbox's retention may repeat one whose record was swept."""
 
     def json(self) -> Any:
         """The body parsed as JSON."""

@@ -22,6 +22,17 @@ LEASE_TAKEOVERS = Counter(
     "consumer_kit_inbox_takeovers_total",
     "Claims that took over a lease that ran out (its holder crashed or froze), not one given back.", ["source"]
 )
+DELIVERY_AGE = Histogram(
+    "consumer_kit_delivery_age_seconds",
+    "Age of a delivery when it arrived, from its source's own send time (where the source has one).",
+    ["source"], buckets=(0.1, 1, 10, 60, 600, 3600, 21600, 86400, 259200, 604800, 2592000, float("inf")),
+)
+LATE_DELIVERIES = Counter(
+    "consumer_kit_late_deliveries_total",
+    "Deliveries older than the inbox's retention, or of a key whose record was swept (a tombstone), by "
+    "source and what LATE_DELIVERY_POLICY did with them (parked, processed).",
+    ["source", "action"],
+)
 SWEPT = Counter("consumer_kit_swept_total", "Expired rows deleted by the sweeper.", ["table"])
 SWEEP_FAILURES = Counter("consumer_kit_sweeper_failures_total", "Sweeper runs that failed.", ["table"])
 HTTP_REJECTED = Counter(
@@ -52,6 +63,7 @@ class SourceMetrics:
         self.in_flight = 0
         IN_FLIGHT.labels(source).set_function(lambda: self.in_flight)
         self.handler_seconds = HANDLER_SECONDS.labels(source)
+        self.age = DELIVERY_AGE.labels(source)
         self._source = source
         self._outcomes: dict[str, Any] = {}
 

@@ -13,6 +13,7 @@ import logging
 import os
 import secrets
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -60,6 +61,12 @@ class Settings(BaseSettings):
     inbox_retention_seconds: int = Field(
         604_800, gt=0, description="How long a completed delivery is remembered; outlast every redelivery."
     )
+    late_delivery_policy: Literal["park", "process"] = Field(
+        "park", description="A delivery older than INBOX_RETENTION_SECONDS (by its source's send time), or of a "
+        "key whose record was swept, may repeat work already done: park it (arrived_after_retention) or process it.")
+    inbox_tombstone_seconds: int = Field(
+        2_592_000, ge=0, description="How long the sweeper keeps the digest of each inbox row it deletes, so that "
+        "a key seen again after its sweep is caught as late (0: none).")
     retry_attempts: int = Field(3, ge=1, description="Handler attempts within one delivery.")
     retry_backoff_seconds: float = Field(0.05, ge=0, description="First in-process backoff; doubles.")
     retry_backoff_max_seconds: float = Field(2.0, ge=0)

@@ -114,6 +114,13 @@ class Pipeline:
             await self.fate.park(spec, delivery, None, exc.reason, str(exc), attempts=delivery.attempt, ex=None)
             return Result(Outcome.INVALID, Settlement.DEAD_LETTER, exc.reason)
         work = Work(spec, delivery, key, self.digester.candidates(key), delivery.fingerprint())
+        if delivery.sent_at is not None:
+            age = (delivery.received_at - delivery.sent_at).total_seconds()
+            self._metrics[spec.source.name].age.observe(max(0.0, age))
+            if age > self.settings.inbox_retention_seconds:
+                late = await self.fate.late(work, f"sent {age:.0f} s ago, longer than INBOX_RETENTION_SECONDS")
+                if late is not None:
+                    return late
         if spec.single_transaction:
             return await self.single.run(work)
         return await self.leased.run(work)

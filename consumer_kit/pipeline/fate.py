@@ -100,6 +100,10 @@ class Fate:
         if claim.status is ClaimStatus.DEAD:
             work.log(logging.INFO, "delivery of a parked key acknowledged")
             return Result(Outcome.DUPLICATE, Settlement.ACK, "already_dead_lettered", key_digest=work.digest)
+        if claim.status is ClaimStatus.SWEPT:  # only parked when the policy is park: else no tombstones
+            late = await self.late(work, "its key was done before and its record swept since", ex)
+            assert late is not None
+            return late
         if claim.status is ClaimStatus.CONFLICT:
             work.log(logging.WARNING, "same key, different request: parked as conflict")
             await self.park(work.spec, work.delivery, claim.digest, "conflict",
@@ -110,6 +114,21 @@ class Fate:
         if claim.locked_until is not None:
             delay = max(0.0, (claim.locked_until - self.stores.inbox.clock()).total_seconds())
         return Result(Outcome.IN_PROGRESS, Settlement.RETRY_LATER, "in_progress", delay=delay,
+                      key_digest=work.digest)
+
+    async def late(self, work: Work, why: str, ex: Executor | None = None) -> Result | None:
+        """A delivery that may repeat work whose record is gone: parked ``arrived_after_retention``
+        (LATE_DELIVERY_POLICY=park), or ``None`` to process it (=process); counted either way."""
+        source = work.spec.source.name
+        if self.settings.late_delivery_policy == "process":
+            metrics.LATE_DELIVERIES.labels(source, "processed").inc()
+            work.log(logging.WARNING, f"late delivery processed: {why}")
+            return None
+        metrics.LATE_DELIVERIES.labels(source, "parked").inc()
+        await self.park(work.spec, work.delivery, work.digests[0], "arrived_after_retention", why,
+                        attempts=work.delivery.attempt, ex=ex)
+        work.log(logging.WARNING, f"late delivery parked: {why}")
+        return Result(Outcome.DEAD_LETTERED, Settlement.DEAD_LETTER, "arrived_after_retention",
                       key_digest=work.digest)
 
     async def dead(self, work: Work, reason: str, detail: str, ex: Executor | None,

@@ -40,6 +40,7 @@ class ClaimStatus(enum.StrEnum):
     IN_PROGRESS = "in_progress"  # a live lease is held by another attempt
     CONFLICT = "conflict"  # same key, different fingerprint
     DEAD = "dead"  # parked before
+    SWEPT = "swept"  # done or parked before, and its record swept since: only its tombstone is left
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,10 +71,14 @@ class Inbox:
     """Claim, renew, complete, release, park and sweep inbox rows."""
 
     def __init__(self, database: Database, *, lease_seconds: float, retention_seconds: float,
-                 clock: Clock = utcnow) -> None:
+                 clock: Clock = utcnow, tombstone_seconds: float = 0) -> None:
+        """``tombstone_seconds``: how long the sweeper keeps the digest of a row it deletes, during which
+        a claim of that key finds it ``SWEPT`` (0: no tombstones; the key is then new again)."""
         self.database = database
         self.lease = timedelta(seconds=lease_seconds)
         self.retention = timedelta(seconds=retention_seconds)
+        self.tombstone = timedelta(seconds=tombstone_seconds)
+        self.tombstones = tombstone_seconds > 0
         self.clock = clock
         self._pg = database.dialect == "postgresql"
 
@@ -101,10 +106,13 @@ class Inbox:
                 if not claimable(existing, fingerprint, self.clock()):
                     return verdict(existing, fingerprint)
                 digest, expired = existing["key_digest"], existing["locked_until"] is not None
+            elif not self._pg and await self._swept(ex, consumer, digests):
+                return Claim(ClaimStatus.SWEPT, digest, 0)
         now = self.clock()
         params = {"consumer": consumer, "key_digest": digest, "namespace": namespace, "version": version,
                   "fingerprint": fingerprint, "locked_until": now + self.lease,
-                  "lease_token": secrets.token_hex(16), "now": now, "expires_at": now + self.retention}
+                  "lease_token": secrets.token_hex(16), "now": now, "expires_at": now + self.retention,
+                  "tombstones": self.tombstones}
         if self._pg:
             if creation is not None:
                 row = await ex.fetch_one(sql.CLAIM_CREATING_SESSION, {**params, **creation.params})
@@ -114,6 +122,8 @@ class Inbox:
             if row["claimed"] is not None:
                 return self._acquired(digest, row["claimed"], params, row if creation is not None else None,
                                       took_over=row["inbox_locked_until"] is not None)
+            if row["tombstoned"]:
+                return Claim(ClaimStatus.SWEPT, digest, 0)
             if row["inbox_state"] is not None:
                 seen = {name: row[f"inbox_{name}"] for name in
                         ("state", "fingerprint", "locked_until", "attempts", "result")}
@@ -144,12 +154,15 @@ class Inbox:
         transaction and then sees the completed row."""
         now = self.clock()
         params = {"consumer": consumer, "key_digest": digests[0], "namespace": namespace, "version": version,
-                  "fingerprint": fingerprint, "outcome": outcome, "now": now, "expires_at": now + self.retention}
+                  "fingerprint": fingerprint, "outcome": outcome, "now": now, "expires_at": now + self.retention,
+                  "tombstones": self.tombstones}
         if len(digests) == 1 and await ex.execute(sql.INSERT_COMPLETED, params) == 1:
             return Claim(ClaimStatus.ACQUIRED, digests[0], 1)
         existing = await self.lookup(ex, consumer, digests)
-        if existing is None:  # the previous key's row is gone: a new key after all
-            if await ex.execute(sql.INSERT_COMPLETED, params) == 1:
+        if existing is None:
+            if await self._swept(ex, consumer, digests):
+                return Claim(ClaimStatus.SWEPT, digests[0], 0)
+            if await ex.execute(sql.INSERT_COMPLETED, params) == 1:  # a new key after all
                 return Claim(ClaimStatus.ACQUIRED, digests[0], 1)
             existing = await self.lookup(ex, consumer, digests)
             assert existing is not None
@@ -218,18 +231,51 @@ class Inbox:
         found = await self.lookup(ex, consumer, [digest])  # finished or parked meanwhile
         return int(found["attempts"]) if found is not None else 1
 
+    async def swept(self, ex: Executor, consumer: str, digests: Sequence[str]) -> bool:
+        """Whether a tombstone says the key was done (or parked) and its record swept."""
+        return await self._swept(ex, consumer, digests)
+
+    async def _swept(self, ex: Executor, consumer: str, digests: Sequence[str]) -> bool:
+        if not self.tombstones:
+            return False
+        for digest in digests:
+            if await ex.fetch_one(sql.TOMBSTONE, {"consumer": consumer, "key_digest": digest}) is not None:
+                return True
+        return False
+
+    async def forget(self, ex: Executor, consumer: str, digests: Sequence[str]) -> None:
+        """Drop a key's tombstone (a late delivery processed anyway makes it a key like any other)."""
+        await ex.execute_many(sql.FORGET_TOMBSTONE, [{"consumer": consumer, "key_digest": d} for d in digests])
+
     async def sweep(self, *, batch_size: int = 500, max_batches: int | None = None) -> int:
         """Delete expired rows in batches of ``batch_size``, each its own short transaction (on
-        PostgreSQL skipping rows a claim has locked). A started row with a live lease is never deleted."""
+        PostgreSQL skipping rows a claim has locked), leaving a tombstone of each (its digest) for
+        ``tombstone_seconds``; then delete expired tombstones. A started row with a live lease is never
+        deleted."""
         total = batches = 0
         while max_batches is None or batches < max_batches:
-            async with self.database.connect() as ex:
-                deleted = await ex.execute(sql.SWEEP_INBOX, {"now": self.clock(), "limit": batch_size})
+            now = self.clock()
+            params = {"now": now, "limit": batch_size, "tombstones": self.tombstones,
+                      "tombstone_expires_at": now + self.tombstone}
+            async with self.database.transaction() as ex:
+                if self._pg:
+                    row = await ex.fetch_one(sql.SWEEP_INBOX, params)
+                    deleted = int(row["swept"]) if row is not None else 0
+                else:
+                    keys = [dict(row) for row in await ex.fetch_all(sql.SWEEP_INBOX, params)]
+                    if self.tombstones:
+                        await ex.execute_many(sql.TOMBSTONE_SQLITE, [{**k, **params} for k in keys])
+                    await ex.execute_many(sql.DELETE_SWEPT_SQLITE, keys)
+                    deleted = len(keys)
             total += deleted
             batches += 1
             if deleted < batch_size:
                 break
-        return total
+        while True:
+            async with self.database.connect() as ex:
+                gone = await ex.execute(sql.SWEEP_TOMBSTONES, {"now": self.clock(), "limit": batch_size})
+            if gone < batch_size:
+                return total
 
 
 def claimable(row: Mapping[str, Any], fingerprint: str, now: datetime) -> bool:

@@ -30,9 +30,10 @@ Kind = Literal["datetime", "json", "bool", "bytes"]
 TYPES: dict[str, Kind] = {
     **dict.fromkeys(("now", "locked_until", "expires_at", "created_at", "updated_at", "available_at",
                      "published_at", "ended_at", "keep_from", "since", "oldest", "receipt_expires_at",
-                     "resource_expires_at", "inbox_locked_until"), "datetime"),
+                     "resource_expires_at", "inbox_locked_until", "swept_at", "tombstone_expires_at"),
+                    "datetime"),
     **dict.fromkeys(("result", "headers", "response", "inbox_result"), "json"),
-    **dict.fromkeys(("closed", "generated"), "bool"),
+    **dict.fromkeys(("closed", "generated", "tombstones", "tombstoned"), "bool"),
     **dict.fromkeys(("body",), "bytes"),
 }
 """The type of every parameter and result column by name; anything else is text or an integer."""
@@ -93,6 +94,8 @@ CLAIM_SQLITE = Statement(_UPSERT_STARTED)  # SQLite: after a plain lookup, so a 
 _CLAIM_CTES = (
     "inbox_row AS (SELECT state, fingerprint, locked_until, attempts, result FROM inbox"
     " WHERE consumer = :consumer AND key_digest = :key_digest),"
+    " tomb AS (SELECT 1 FROM inbox_tombstones WHERE consumer = :consumer AND key_digest = :key_digest"
+    " AND CAST(:tombstones AS boolean)),"
     " anchor AS (INSERT INTO inbox (consumer, key_digest, namespace, version, fingerprint, state, locked_until,"
     " lease_token, attempts, created_at, updated_at, expires_at)"
     " SELECT CAST(:consumer AS varchar), CAST(:key_digest AS varchar), CAST(:namespace AS varchar),"
@@ -100,7 +103,7 @@ _CLAIM_CTES = (
     " CAST(:lease_token AS varchar), 1, CAST(:now AS timestamptz), CAST(:now AS timestamptz),"
     " CAST(:expires_at AS timestamptz)"
     " WHERE NOT EXISTS (SELECT 1 FROM inbox_row WHERE state <> 'started' OR fingerprint <> :fingerprint"
-    " OR locked_until > :now)"
+    " OR locked_until > :now) AND NOT EXISTS (SELECT 1 FROM tomb)"
     " ON CONFLICT (consumer, key_digest) DO UPDATE SET locked_until = :locked_until,"
     " lease_token = :lease_token, attempts = inbox.attempts + 1, updated_at = :now"
     " WHERE inbox.state = 'started' AND inbox.fingerprint = :fingerprint"
@@ -109,20 +112,35 @@ _CLAIM_CTES = (
 )
 _CLAIM_COLUMNS = (
     "(SELECT attempts FROM anchor) AS claimed, r.state AS inbox_state, r.fingerprint AS inbox_fingerprint,"
-    " r.locked_until AS inbox_locked_until, r.attempts AS inbox_attempts, r.result AS inbox_result"
+    " r.locked_until AS inbox_locked_until, r.attempts AS inbox_attempts, r.result AS inbox_result,"
+    " EXISTS (SELECT 1 FROM tomb) AS tombstoned"
 )
 _CLAIM_FROM = "(SELECT 1) AS inbox_one LEFT JOIN inbox_row r ON true"
 CLAIM = Statement(f"WITH {_CLAIM_CTES} SELECT {_CLAIM_COLUMNS} FROM {_CLAIM_FROM}")  # PostgreSQL only
 
 # The single-transaction claim, inside the handler's transaction: a new key's row is inserted already
 # completed, so the effect and the record commit together or not at all.
-INSERT_COMPLETED = Statement(
+_INSERT_COMPLETED = (
     "INSERT INTO inbox (consumer, key_digest, namespace, version, fingerprint, state, attempts, outcome,"
-    " created_at, updated_at, expires_at)"
-    " VALUES (:consumer, :key_digest, :namespace, :version, :fingerprint, 'completed', 1, :outcome, :now, :now,"
-    " :expires_at)"
+    " created_at, updated_at, expires_at) SELECT {values}"
+    " WHERE NOT ({tombstones} AND EXISTS (SELECT 1 FROM inbox_tombstones"
+    " WHERE consumer = :consumer AND key_digest = :key_digest))"
     " ON CONFLICT (consumer, key_digest) DO NOTHING"
 )
+# PostgreSQL types a parameter once for the statement: where the select list and the WHERE both use
+# it, the CASTs say which type (SQLite, which has no such types, would store a CAST's NUMERIC instead).
+INSERT_COMPLETED = Statement(
+    _INSERT_COMPLETED.format(
+        values="CAST(:consumer AS varchar), CAST(:key_digest AS varchar), :namespace, :version, :fingerprint,"
+               " 'completed', 1, :outcome, :now, :now, :expires_at",
+        tombstones="CAST(:tombstones AS boolean)"),
+    _INSERT_COMPLETED.format(
+        values=":consumer, :key_digest, :namespace, :version, :fingerprint, 'completed', 1, :outcome, :now, :now,"
+               " :expires_at",
+        tombstones=":tombstones"),
+)
+TOMBSTONE = Statement(
+    "SELECT swept_at FROM inbox_tombstones WHERE consumer = :consumer AND key_digest = :key_digest")
 # ... and a row an earlier failed attempt left started and unleased is finished in it.
 FINISH_STARTED = Statement(
     "UPDATE inbox SET state = 'completed', locked_until = NULL, lease_token = NULL, attempts = attempts + 1,"
@@ -175,9 +193,26 @@ RECORD_FAILURE = Statement(
 # Expired rows, oldest first, in short batches; a started row with a live lease is never deleted.
 _EXPIRED_INBOX = ("FROM inbox WHERE expires_at <= :now AND (locked_until IS NULL OR locked_until <= :now)"
                   " ORDER BY expires_at LIMIT :limit")
+# PostgreSQL deletes a batch and writes its tombstones in one statement; SQLite (one writer) reads the
+# batch, writes the tombstones, then deletes, in one transaction.
 SWEEP_INBOX = Statement(
-    f"DELETE FROM inbox WHERE ctid IN (SELECT ctid {_EXPIRED_INBOX} FOR UPDATE SKIP LOCKED)",
-    f"DELETE FROM inbox WHERE rowid IN (SELECT rowid {_EXPIRED_INBOX})",
+    f"WITH gone AS (DELETE FROM inbox WHERE ctid IN (SELECT ctid {_EXPIRED_INBOX} FOR UPDATE SKIP LOCKED)"
+    " RETURNING consumer, key_digest), kept AS (INSERT INTO inbox_tombstones (consumer, key_digest, swept_at,"
+    " expires_at) SELECT consumer, key_digest, :now, :tombstone_expires_at FROM gone"
+    " WHERE CAST(:tombstones AS boolean) ON CONFLICT DO NOTHING)"
+    " SELECT count(*) AS swept FROM gone",
+    f"SELECT consumer, key_digest {_EXPIRED_INBOX}",
+)
+TOMBSTONE_SQLITE = Statement(
+    "INSERT INTO inbox_tombstones (consumer, key_digest, swept_at, expires_at)"
+    " VALUES (:consumer, :key_digest, :now, :tombstone_expires_at) ON CONFLICT DO NOTHING")
+DELETE_SWEPT_SQLITE = Statement("DELETE FROM inbox WHERE consumer = :consumer AND key_digest = :key_digest")
+FORGET_TOMBSTONE = Statement(
+    "DELETE FROM inbox_tombstones WHERE consumer = :consumer AND key_digest = :key_digest")
+_EXPIRED_TOMBSTONES = "FROM inbox_tombstones WHERE expires_at <= :now LIMIT :limit"
+SWEEP_TOMBSTONES = Statement(
+    f"DELETE FROM inbox_tombstones WHERE ctid IN (SELECT ctid {_EXPIRED_TOMBSTONES} FOR UPDATE SKIP LOCKED)",
+    f"DELETE FROM inbox_tombstones WHERE rowid IN (SELECT rowid {_EXPIRED_TOMBSTONES})",
 )
 
 # --- outbox -----------------------------------------------------------------------------------------

@@ -76,6 +76,18 @@ inbox = Table(
     Index("ix_inbox_expires_at", "expires_at"),
 )
 
+# Digests of swept inbox rows, kept INBOX_TOMBSTONE_SECONDS after the sweep: a delivery of one of
+# those keys is a duplicate whose record is gone (see the pipeline's late-delivery policy).
+inbox_tombstones = Table(
+    "inbox_tombstones",
+    metadata,
+    Column("consumer", String(200), primary_key=True),
+    Column("key_digest", String(64), primary_key=True),
+    Column("swept_at", UTCDateTime(), nullable=False),
+    Column("expires_at", UTCDateTime(), nullable=False),
+    Index("ix_inbox_tombstones_expires_at", "expires_at"),
+)
+
 dead_letters = Table(
     "dead_letters",
     metadata,
