@@ -39,6 +39,7 @@ from consumer_kit.delivery import Outcome, Result, Settlement
 from consumer_kit.errors import IdempotencyKeyConflict, IdempotencyResultInactive, LeaseLost, TerminalError
 from consumer_kit.pipeline.fate import Failed, Fate
 from consumer_kit.pipeline.work import (
+    DuplicateShare,
     HandlerSpec,
     Stores,
     Work,
@@ -62,6 +63,9 @@ class LeasedPath:
         self.coordinator = coordinator
         self.step = step
         self._requests: dict[str, tuple[HandlerSpec, SessionRequest, str]] = {}
+        # On PostgreSQL the claim statement answers a duplicate by itself, but a plain read does it at
+        # a quarter of the server's time: read first while duplicates are common (see DuplicateShare).
+        self._duplicates = DuplicateShare(0.25)
 
     async def run(self, work: Work) -> Result:
         """Claim, open the session, run the handler's attempts and settle."""
@@ -94,7 +98,8 @@ class LeasedPath:
         creation, invalid = self._prepare_session(work)
         claim = await stores.inbox.claim(ex, spec.consumer, work.digests, work.fingerprint,
                                          namespace=work.key.namespace, version=work.key.version,
-                                         creation=creation)
+                                         creation=creation, read_first=self._duplicates.read_first(spec.consumer))
+        self._duplicates.count(spec.consumer, taken=not claim.acquired)
         if not claim.acquired:
             return await self.fate.not_acquired(work, claim, ex)
         work.claim = claim

@@ -24,15 +24,13 @@ import logging
 
 from consumer_kit.delivery import Outcome, Result, Settlement
 from consumer_kit.pipeline.fate import Failed, Fate, NotAcquired
-from consumer_kit.pipeline.work import Stores, Work, describe, run_handler, usable
+from consumer_kit.pipeline.work import TAKEN, DuplicateShare, Stores, Work, describe, run_handler, usable
 from consumer_kit.store import Claim, ClaimStatus
 from consumer_kit.store.executor import Executor
 from consumer_kit.store.inbox import claimable, verdict
 
 READ_FIRST_ABOVE = 0.25
 """The share of duplicates above which a delivery is looked up before its transaction."""
-_WEIGHT = 0.02  # of each delivery in the running estimate: about the last fifty count
-_TAKEN = frozenset({Outcome.DUPLICATE, Outcome.IN_PROGRESS, Outcome.CONFLICT})  # the claim found the key taken
 
 
 class SinglePath:
@@ -41,27 +39,22 @@ class SinglePath:
     def __init__(self, stores: Stores, fate: Fate) -> None:
         self.stores = stores
         self.fate = fate
-        self._always_read_first = stores.database.dialect != "postgresql"
-        self._duplicates: dict[str, float] = {}  # per consumer: the running share of duplicates
+        self._duplicates = DuplicateShare(READ_FIRST_ABOVE, always=stores.database.dialect != "postgresql")
 
     async def run(self, work: Work) -> Result:
         """Look (while duplicates are common), then claim and run in one transaction; settle."""
         stores, spec = self.stores, work.spec
-        share = self._duplicates.get(spec.consumer, READ_FIRST_ABOVE)
         # One connection: one that serves ctx.db when the handler may use it (SQLAlchemy's, on
         # asyncpg), else the store pool's.
         async with stores.database.connect(session=spec.uses_db) as ex:
-            if self._always_read_first or share > READ_FIRST_ABOVE:
+            if self._duplicates.read_first(spec.consumer):
                 existing = await stores.inbox.lookup(ex, spec.consumer, work.digests)
                 if existing is not None and not claimable(existing, work.fingerprint, stores.inbox.clock()):
-                    self._count(spec.consumer, share, duplicate=True)
+                    self._duplicates.count(spec.consumer, taken=True)
                     return await self.fate.not_acquired(work, verdict(existing, work.fingerprint), ex)
             result = await self._handle(ex, work)
-        self._count(spec.consumer, share, duplicate=result.outcome in _TAKEN)
+        self._duplicates.count(spec.consumer, taken=result.outcome in TAKEN)
         return result
-
-    def _count(self, consumer: str, share: float, *, duplicate: bool) -> None:
-        self._duplicates[consumer] = share + _WEIGHT * ((1.0 if duplicate else 0.0) - share)
 
     async def _handle(self, ex: Executor, work: Work) -> Result:
         stores, spec = self.stores, work.spec

@@ -15,7 +15,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from consumer_kit.context import Context
 from consumer_kit.coordinator.protocol import SessionReceipt, SessionRequest
-from consumer_kit.delivery import Delivery, Source
+from consumer_kit.delivery import Delivery, Outcome, Source
 from consumer_kit.keys import KeyDigester, OperationKey, short
 from consumer_kit.settings import Settings
 from consumer_kit.store import Claim, DeadLetters, Inbox, OutboxWriter
@@ -80,8 +80,38 @@ class Work:
 
     def log(self, level: int, message: str) -> None:
         """Log with the key's namespace and digest, never the key itself."""
+        if not log.isEnabledFor(level):  # most deliveries log at DEBUG: build nothing for them
+            return
         log.log(level, "%s [%s:v%d %s]", message, self.key.namespace, self.key.version, self.digest,
                 extra={"namespace": self.key.namespace, "key_digest": self.digest})
+
+
+TAKEN = frozenset({Outcome.DUPLICATE, Outcome.IN_PROGRESS, Outcome.CONFLICT})
+"""Outcomes of a delivery whose claim found its key taken."""
+
+
+class DuplicateShare:
+    """A running estimate, per handler, of how many of its deliveries find their key taken (done,
+    in progress, another request), over about the last fifty: a path reads the key before it claims
+    it while that share is above ``threshold``, so that a duplicate costs one plain read, and claims
+    straight away otherwise, so that a new key costs no read it does not need. ``always`` reads
+    first whatever the share (SQLite: a claim there takes the database's one write lock)."""
+
+    WEIGHT = 0.02
+
+    def __init__(self, threshold: float, *, always: bool = False) -> None:
+        self.threshold = threshold
+        self.always = always
+        self._shares: dict[str, float] = {}
+
+    def read_first(self, consumer: str) -> bool:
+        """Whether the next delivery of ``consumer`` should read before it claims."""
+        return self.always or self._shares.get(consumer, self.threshold) > self.threshold
+
+    def count(self, consumer: str, *, taken: bool) -> None:
+        """Count one delivery of ``consumer``: its key was taken, or not."""
+        share = self._shares.get(consumer, self.threshold)
+        self._shares[consumer] = share + self.WEIGHT * ((1.0 if taken else 0.0) - share)
 
 
 @dataclass(frozen=True, slots=True)

@@ -91,14 +91,16 @@ class Inbox:
         return None
 
     async def claim(self, ex: Executor, consumer: str, digests: Sequence[str], fingerprint: str, *,
-                    namespace: str, version: int, creation: Creation | None = None) -> Claim:
+                    namespace: str, version: int, creation: Creation | None = None,
+                    read_first: bool = False) -> Claim:
         """Txn 1 of seed 003, in autocommit: take the lease on a new or abandoned key, or report what
         holds it. ``digests[0]`` is the digest under the current HMAC key; a row written under the
         previous one is still honoured. ``creation`` (PostgreSQL) commits in the claim's statement when,
-        and only when, the claim takes the lease; its row is ``Claim.carried``."""
+        and only when, the claim takes the lease; its row is ``Claim.carried``. ``read_first``: look
+        the key up before claiming it on PostgreSQL too (cheaper when duplicates are common)."""
         digest = digests[0]
         expired = False  # the row's lease ran out rather than being given back
-        if not self._pg or len(digests) > 1:
+        if not self._pg or len(digests) > 1 or read_first:
             # A plain read first: a redelivery of finished work then costs one indexed SELECT and no
             # write. (On PostgreSQL the claim statement makes the same test itself.)
             existing = await self.lookup(ex, consumer, digests)
