@@ -6,11 +6,10 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import boto3
-import pytest
 
 from consumer_kit import Settings
 from tests.conftest import make_settings
@@ -103,18 +102,10 @@ class Moto:
         for url in self.created:
             try:
                 await asyncio.to_thread(self.sqs.delete_queue, QueueUrl=url)
-            except Exception:  # noqa: S112 - already gone
+            except Exception:
                 continue
 
 
 def attribute(value: str) -> dict[str, str]:
     """A string message attribute."""
     return {"DataType": "String", "StringValue": value}
-
-
-@pytest.fixture
-async def moto(moto_endpoint: str) -> AsyncIterator[Moto]:
-    """Clients for the run's moto server; the queues a test creates are deleted after it."""
-    kit = Moto(moto_endpoint)
-    yield kit
-    await kit.cleanup()

@@ -14,7 +14,7 @@ from consumer_kit import ConsumerApp, Context, Outcome, Result
 from consumer_kit.delivery import Delivery
 from sources.sqs import REASON_ATTRIBUTE, SQSSource
 from tests.integration.rabbit import wait_until
-from tests.integration.sqs_env import Moto, attribute, moto  # noqa: F401
+from tests.integration.sqs_env import Moto
 
 pytestmark = pytest.mark.sqs
 
@@ -113,7 +113,8 @@ async def test_eventbridge_fan_out_keyed_by_source_and_id(moto: Moto, sqlite_url
         event = {"version": "0", "id": headers["eventbridge-id"], "detail-type": "Order Created",
                  "source": "com.example.orders", "account": "123456789012", "time": headers["eventbridge-time"],
                  "region": "us-east-1", "resources": [], "detail": {"order": "O-2"}}
-        await moto.send(url, [{"MessageBody": json.dumps(event)}, {"MessageBody": json.dumps({"order": "no envelope"})}])
+        await moto.send(url, [{"MessageBody": json.dumps(event)},
+                              {"MessageBody": json.dumps({"order": "no envelope"})}])
 
         async def settled() -> bool:
             return len(bridge.results) == 3 and await moto.depth(url) == 0

@@ -20,7 +20,7 @@ from consumer_kit.keys import short
 from sources.sqs import KEY_DIGEST_ATTRIBUTE, REASON_ATTRIBUTE, SOURCE_QUEUE_ATTRIBUTE, SQSSource
 from sources.sqs.client import BatchAction, SqsClient
 from tests.integration.rabbit import TcpProxy, wait_until
-from tests.integration.sqs_env import REGION, Moto, attribute, moto  # noqa: F401
+from tests.integration.sqs_env import REGION, Moto, attribute
 
 pytestmark = pytest.mark.sqs
 
