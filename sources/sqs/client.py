@@ -27,7 +27,9 @@ from botocore.config import Config
 log = logging.getLogger("consumer_kit.sources.sqs")
 
 BATCH_MAX = 10  # entries per SQS batch action
-BATCH_MAX_BYTES = 262_144  # SendMessageBatch: the whole request's payload (the classic 256 KiB limit)
+# SendMessageBatch's total payload: AWS allows 1 MiB since 2025, but 256 KiB is what every SQS
+# (LocalStack, older regions, ElasticMQ) accepts; a larger message is simply sent in a call of its own.
+BATCH_MAX_BYTES = 262_144
 MAX_VISIBILITY_SECONDS = 43_200  # SQS: 12 hours
 
 
@@ -137,10 +139,13 @@ class BatchAction:
     is built when it is sent (``build`` is called then), so a delete or visibility change uses the
     newest receipt handle even if the message was received again meanwhile. Entries that fail on
     SQS's side, and calls that fail outright, are sent again up to ``attempts`` times.
+    ``ordered=True`` (sends to a FIFO queue) makes one call at a time, in the order entries were put,
+    since two calls in flight can reach SQS in either order; a retried entry goes after them.
     """
 
     def __init__(self, client: SqsClient, operation: str, queue_url: str, *, linger: float,
-                 attempts: int = 3, size: Callable[[dict[str, Any]], int] | None = None) -> None:
+                 attempts: int = 3, size: Callable[[dict[str, Any]], int] | None = None,
+                 ordered: bool = False) -> None:
         self.client = client
         self.operation = operation
         self.queue_url = queue_url
@@ -150,6 +155,7 @@ class BatchAction:
         self._pending: list[_Entry] = []
         self._timer: asyncio.TimerHandle | None = None
         self._sending: set[asyncio.Task[None]] = set()
+        self._one_at_a_time = asyncio.Lock() if ordered else None
 
     def put(self, build: Callable[[], dict[str, Any]]) -> asyncio.Future[dict[str, Any]]:
         """Queue one entry (``build()`` makes it, without ``Id``); the future holds SQS's answer for it
@@ -194,9 +200,10 @@ class BatchAction:
         for entry, _ in chunk:
             entry.tries += 1
         try:
-            response = await self.client.call(
-                self.operation, QueueUrl=self.queue_url,
-                Entries=[dict(body, Id=str(i)) for i, (_, body) in enumerate(chunk)])
+            async with self._one_at_a_time or contextlib.nullcontext():
+                response = await self.client.call(
+                    self.operation, QueueUrl=self.queue_url,
+                    Entries=[dict(body, Id=str(i)) for i, (_, body) in enumerate(chunk)])
         except Exception as exc:
             code = error_code(exc)
             again = [entry for entry, _ in chunk if entry.tries < self.attempts]

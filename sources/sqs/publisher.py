@@ -26,7 +26,9 @@ class SqsPublisher:
     ten attributes in all). On a FIFO queue (``.fifo``) the row id is also the
     ``MessageDeduplicationId``, so SQS drops a re-send within its 5-minute window, and the
     ``message-group-id`` header (``group_header=``) is the ``MessageGroupId``; a FIFO message without
-    it fails with a clear error rather than guessing a group. Endpoint and region come from
+    it fails with a clear error rather than guessing a group; messages reach a FIFO queue in the order
+    the relay hands them over while sends succeed (a failed one is sent again later, after others).
+    Endpoint and region come from
     ``SQS_ENDPOINT_URL`` / ``SQS_REGION`` unless given.
     """
 
@@ -74,7 +76,7 @@ class SqsPublisher:
         batch = self._batches.get(url)
         if batch is None:
             batch = self._batches[url] = BatchAction(sqs, "send_message_batch", url, linger=self.linger,
-                                                     size=_entry_bytes)
+                                                     size=_entry_bytes, ordered=url.endswith(".fifo"))
         await batch.put(lambda: entry)
 
     def _entry(self, message: OutboxMessage, *, fifo: bool) -> dict[str, Any]:
