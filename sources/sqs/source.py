@@ -64,6 +64,7 @@ class _Message:
     settling: bool = False  # decided: the heartbeat leaves it alone
     went_back: bool = False  # returned to the queue unprocessed: later ones of its FIFO group must too
     beat: asyncio.Future[Any] | None = None  # a heartbeat extension under way
+    slot_freed: bool = False
     task: asyncio.Task[None] | None = field(default=None, repr=False)
 
 
@@ -163,6 +164,7 @@ class SQSSource(EnvelopedSource):
         self._messages: dict[str, _Message] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._groups: dict[str, _Message] = {}  # FIFO: the newest held message of each group
+        self._running_keys: dict[str, asyncio.Future[None]] = {}  # keys being dispatched now
         self._pollers: set[asyncio.Task[None]] = set()
         self._heartbeat: asyncio.Task[None] | None = None
         self._slots = _Slots(max_in_flight)
@@ -381,7 +383,7 @@ class SQSSource(EnvelopedSource):
                 return
             assert self._dispatch is not None
             deliveries = self._deliveries(message.raw)
-            results = [await self._dispatch(delivery) for delivery in deliveries]
+            results = [await self._one_at_a_time(delivery) for delivery in deliveries]
             decided = True
             await self._settle(message, deliveries, results)
         except asyncio.CancelledError:
@@ -396,6 +398,24 @@ class SQSSource(EnvelopedSource):
                         "timeout", self.name, error_code(exc))
         finally:
             self._forget(message)
+
+    async def _one_at_a_time(self, delivery: Delivery) -> Result:
+        """Dispatch ``delivery``, after any delivery of the same key this source is running now has
+        finished: a re-sent copy in the same receive then meets a completed inbox row (acknowledged
+        as a duplicate) instead of a live lease (sent back to the queue until the lease runs out)."""
+        assert self._dispatch is not None
+        try:
+            key = str(self.key(delivery))
+        except Exception:
+            return await self._dispatch(delivery)  # it cannot be keyed: the pipeline parks it
+        while (running := self._running_keys.get(key)) is not None:
+            await asyncio.wait([running])
+        self._running_keys[key] = done = asyncio.get_running_loop().create_future()
+        try:
+            return await self._dispatch(delivery)
+        finally:
+            del self._running_keys[key]
+            done.set_result(None)
 
     def _deliveries(self, raw: Mapping[str, Any]) -> list[Delivery]:
         headers = _headers(raw.get("MessageAttributes"))
@@ -440,11 +460,15 @@ class SQSSource(EnvelopedSource):
 
     async def _delete(self, message: _Message) -> None:
         assert self._deletes is not None
-        await self._deletes.put(lambda: {"ReceiptHandle": message.receipt})
+        done = self._deletes.put(lambda: {"ReceiptHandle": message.receipt})
+        self._free_slot(message)
+        await done
 
     async def _change_visibility(self, message: _Message, seconds: float) -> None:
         assert self._visibility is not None
-        await self._visibility.put(_visibility_entry(message, _clamped(message, seconds)))
+        done = self._visibility.put(_visibility_entry(message, _clamped(message, seconds)))
+        self._free_slot(message)
+        await done
 
     def _release(self, message: _Message) -> None:
         """Back to the queue at once (visibility 0), not processed; nobody waits for the answer."""
@@ -475,11 +499,18 @@ class SQSSource(EnvelopedSource):
         await self._sqs.call("send_message", **params)
 
     def _forget(self, message: _Message) -> None:
+        self._free_slot(message)
         if self._messages.get(message.id) is message:
             del self._messages[message.id]
-            self._slots.give(1)
         if message.group is not None and self._groups.get(message.group) is message:
             del self._groups[message.group]
+
+    def _free_slot(self, message: _Message) -> None:
+        """Its in-flight slot back to the pollers, once: when its settlement has been handed over (a
+        delete waiting for its batch holds no handler), or when it is forgotten."""
+        if not message.slot_freed:
+            message.slot_freed = True
+            self._slots.give(1)
 
     # ---------------------------------------------------------------------------------------------
     # visibility heartbeat

@@ -8,6 +8,7 @@ import logging
 from collections import Counter
 
 import pytest
+from prometheus_client import REGISTRY
 from sqlalchemy import Column, Integer, MetaData, String, Table, distinct, func, select
 
 from consumer_kit import ConsumerApp, Context
@@ -35,8 +36,7 @@ async def counts(app: ConsumerApp) -> tuple[int, int]:
 async def test_two_thousand_with_resent_duplicates(moto: Moto, pg_database: str,
                                                    caplog: pytest.LogCaptureFixture) -> None:
     url, dlq = await moto.queue()
-    # IN_PROGRESS answers (a duplicate met its original in flight) come back after the lease.
-    app = ConsumerApp(moto.settings(pg_database, db_pool_size=10, inbox_lease_seconds=2))
+    app = ConsumerApp(moto.settings(pg_database, db_pool_size=10))
     source = SQSSource(queue_url=url, namespace="orders", version=1, key="order-id", dead_letter_queue_url=dlq,
                        max_in_flight=40, retry_delays=(0.5,))
 
@@ -67,6 +67,12 @@ async def test_two_thousand_with_resent_duplicates(moto: Moto, pg_database: str,
             await wait_until(done, 120, "2,000 effects and an empty queue")
             assert await counts(app) == (2_000, 2_000)
             assert await app.dead_letters.count() == 0
+    # Each copy waited for its original in this worker and was acknowledged as a duplicate, none sent
+    # back to the queue while the original's lease was live.
+    outcomes = {outcome: REGISTRY.get_sample_value("consumer_kit_deliveries_total",
+                                                   {"source": source.name, "outcome": outcome}) or 0
+                for outcome in ("processed", "duplicate", "in_progress")}
+    assert outcomes == {"processed": 2_000, "duplicate": 200, "in_progress": 0}
     assert await moto.depth(url) == 0 and await moto.depth(dlq) == 0
     # Every batched call went through: no BatchEntryIdsNotDistinct, no failed delete or change.
     assert not [r.getMessage() for r in caplog.records if r.name == "consumer_kit.sources.sqs"]
