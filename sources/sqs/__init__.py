@@ -38,14 +38,9 @@ except ModuleNotFoundError as exc:  # pragma: no cover - exercised only without 
     raise ModuleNotFoundError("sources.sqs needs boto3: pip install 'consumer-kit[sqs]'", name=exc.name) from exc
 
 from sources.envelopes import EnvelopeMismatch
+from sources.sqs.held import KEY_DIGEST_ATTRIBUTE, REASON_ATTRIBUTE, SOURCE_QUEUE_ATTRIBUTE
 from sources.sqs.publisher import GROUP_HEADER, MESSAGE_ID_ATTRIBUTE, SqsPublisher
-from sources.sqs.source import (
-    DEFAULT_RETRY_DELAYS,
-    KEY_DIGEST_ATTRIBUTE,
-    REASON_ATTRIBUTE,
-    SOURCE_QUEUE_ATTRIBUTE,
-    SQSSource,
-)
+from sources.sqs.source import DEFAULT_RETRY_DELAYS, SQSSource
 
 __all__ = [
     "DEFAULT_RETRY_DELAYS",

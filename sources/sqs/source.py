@@ -3,17 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import base64
 import collections
 import contextlib
 import functools
-import json
-import math
 import random
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Any
 
 from prometheus_client import Counter
@@ -22,23 +18,13 @@ from consumer_kit.delivery import Delivery, Dispatch, KeyMapper, Result, Settlem
 from consumer_kit.errors import ConfigurationError
 from consumer_kit.settings import Settings
 from sources.envelopes import ENVELOPES, EnvelopedSource, KeyFunction, is_s3_test_event, require_cloudevents, unwrap
-from sources.sqs.client import (
-    BATCH_MAX,
-    MAX_VISIBILITY_SECONDS,
-    BatchAction,
-    SqsClient,
-    error_code,
-    explain,
-    log,
-)
+from sources.sqs.client import BATCH_MAX, MAX_VISIBILITY_SECONDS, BatchAction, SqsClient, error_code, explain, log
+from sources.sqs.held import HeldMessage, Slots, dead_letter_copy
+from sources.sqs.queue import inspect_queue
 
-REASON_ATTRIBUTE = "x-consumer-kit-reason"
-KEY_DIGEST_ATTRIBUTE = "x-consumer-kit-key-digest"
-SOURCE_QUEUE_ATTRIBUTE = "x-consumer-kit-queue"
 DEFAULT_RETRY_DELAYS = (1.0, 5.0, 30.0, 120.0)
 SETTLE_THREADS = 4  # pool threads besides the pollers': deletes, visibility changes, dead-letter copies
 SETTLE_TIMEOUT_SECONDS = 10.0  # how long close() waits for settlements already under way
-_MAX_ATTRIBUTES = 10  # SQS: message attributes per message
 _SYSTEM_ATTRIBUTES = ["ApproximateReceiveCount", "SentTimestamp", "MessageGroupId"]
 
 S3_TEST_EVENTS = Counter("consumer_kit_sqs_s3_test_events_total",
@@ -49,51 +35,6 @@ RECEIVED_WHILE_HELD = Counter(
     "at-least-once delivery); run once, settled with the newest receipt handle.", ["source"])
 RECEIVE_FAILURES = Counter("consumer_kit_sqs_receive_failures_total",
                            "ReceiveMessage calls that failed (the source backs off and goes on).", ["source"])
-
-
-@dataclass(eq=False)
-class _Message:
-    """One received message while the source holds it (in flight)."""
-
-    id: str
-    receipt: str  # the newest receipt handle
-    raw: dict[str, Any]
-    group: str | None
-    sent_at: float  # epoch seconds, for SQS's 12-hour visibility limit
-    extended: float  # monotonic time of the last receive or extension
-    settling: bool = False  # decided: the heartbeat leaves it alone
-    went_back: bool = False  # returned to the queue unprocessed: later ones of its FIFO group must too
-    beat: asyncio.Future[Any] | None = None  # a heartbeat extension under way
-    slot_freed: bool = False
-    task: asyncio.Task[None] | None = field(default=None, repr=False)
-
-
-class _Slots:
-    """The free in-flight slots; pollers take some before each receive and never ask SQS for more."""
-
-    def __init__(self, total: int) -> None:
-        self.free = total
-        self.closed = False
-        self._changed = asyncio.Event()
-
-    async def take(self, most: int) -> int:
-        """Up to ``most`` slots, waiting for at least one; 0 once closed."""
-        while self.free == 0 and not self.closed:
-            self._changed.clear()
-            await self._changed.wait()
-        if self.closed:
-            return 0
-        taken = min(most, self.free)
-        self.free -= taken
-        return taken
-
-    def give(self, count: int) -> None:
-        self.free += count
-        self._changed.set()
-
-    def close(self) -> None:
-        self.closed = True
-        self._changed.set()
 
 
 class SQSSource(EnvelopedSource):
@@ -161,13 +102,13 @@ class SQSSource(EnvelopedSource):
         self._timeout = 0  # the visibility timeout in force
         self._beat_every = 0.0
         self._wait = 20
-        self._messages: dict[str, _Message] = {}
+        self._messages: dict[str, HeldMessage] = {}
         self._tasks: set[asyncio.Task[None]] = set()
-        self._groups: dict[str, _Message] = {}  # FIFO: the newest held message of each group
+        self._groups: dict[str, HeldMessage] = {}  # FIFO: the newest held message of each group
         self._running_keys: dict[str, asyncio.Future[None]] = {}  # keys being dispatched now
         self._pollers: set[asyncio.Task[None]] = set()
         self._heartbeat: asyncio.Task[None] | None = None
-        self._slots = _Slots(max_in_flight)
+        self._slots = Slots(max_in_flight)
         self._stopping = False
         self._halt = threading.Event()  # the stop flag as the polling threads see it
         # Redrive mode: ids of messages parked here and left for the redrive policy to move, so a
@@ -193,15 +134,20 @@ class SQSSource(EnvelopedSource):
                               threads=self.pollers + SETTLE_THREADS, read_timeout=self._wait + 10,
                               name=self.name.replace(":", "-"))
         try:
-            await self._check_queues(self._sqs, settings)
+            facts = await inspect_queue(
+                self._sqs, source=self.name, queue_url=self.queue_url, queue_name=self.queue_name,
+                visibility_timeout=self.visibility_timeout, heartbeat_interval=self.heartbeat_interval,
+                dead_letter_queue_url=self.dead_letter_queue_url, max_deliveries=settings.max_deliveries)
         except BaseException:
             await self._sqs.close()
             self._sqs = None
             raise
+        self._url, self.fifo = facts.url, facts.fifo
+        self._timeout, self._beat_every = facts.visibility_timeout, facts.heartbeat
         self._dispatch = dispatch
         self._stopping = False
         self._halt.clear()
-        self._slots = _Slots(self.max_in_flight)
+        self._slots = Slots(self.max_in_flight)
         self._deletes = BatchAction(self._sqs, "delete_message_batch", self._url, linger=self.settle_linger)
         self._visibility = BatchAction(self._sqs, "change_message_visibility_batch", self._url,
                                        linger=self.settle_linger)
@@ -211,52 +157,6 @@ class SQSSource(EnvelopedSource):
             self._pollers.add(task)
         log.info("%s: receiving %s (%d pollers, %d in flight at most, visibility %ds extended every %.1fs)",
                  self.name, self._url, self.pollers, self.max_in_flight, self._timeout, self._beat_every)
-
-    async def _check_queues(self, sqs: SqsClient, settings: Settings) -> None:
-        where = self.queue_url or self.queue_name
-        try:
-            await sqs.open()
-            if self.queue_url is None:
-                self._url = (await sqs.call("get_queue_url", QueueName=self.queue_name))["QueueUrl"]
-            else:
-                self._url = self.queue_url
-            attributes = (await sqs.call("get_queue_attributes", QueueUrl=self._url,
-                                         AttributeNames=["All"])).get("Attributes", {})
-        except Exception as exc:
-            raise ConfigurationError(f"{self.name}: cannot use SQS queue {where}: {explain(exc, sqs.endpoint_url)}") \
-                from exc
-        self.fifo = attributes.get("FifoQueue") == "true"
-        self._timeout = self.visibility_timeout or int(attributes.get("VisibilityTimeout", 30))
-        self._beat_every = self.heartbeat_interval or self._timeout / 3
-        if self._beat_every <= 0 or self._beat_every >= self._timeout:
-            raise ConfigurationError(
-                f"{self.name}: the visibility heartbeat ({self._beat_every:g}s) must be shorter than the "
-                f"visibility timeout ({self._timeout}s), or messages reappear while their handler runs")
-        redrive = _redrive_policy(attributes)
-        if redrive is not None and redrive[1] <= settings.max_deliveries:
-            log.warning(
-                "%s: the queue's redrive policy moves a message to its dead-letter queue after %d receives, "
-                "and MAX_DELIVERIES is %d: SQS would move a failing message before consumer-kit parks it "
-                "with its reason. Raise maxReceiveCount above MAX_DELIVERIES.",
-                self.name, redrive[1], settings.max_deliveries)
-        if self.dead_letter_queue_url is not None:
-            try:
-                dlq = (await sqs.call("get_queue_attributes", QueueUrl=self.dead_letter_queue_url,
-                                      AttributeNames=["FifoQueue"])).get("Attributes", {})
-            except Exception as exc:
-                raise ConfigurationError(f"{self.name}: cannot use the dead-letter queue "
-                                         f"{self.dead_letter_queue_url}: {explain(exc, sqs.endpoint_url)}") from exc
-            if (dlq.get("FifoQueue") == "true") != self.fifo:
-                kind = "FIFO" if self.fifo else "standard"
-                raise ConfigurationError(f"{self.name}: the dead-letter queue of a {kind} queue must be {kind} too")
-        elif redrive is not None:
-            log.info("%s: no dead_letter_queue_url: parked messages are left to the queue's redrive policy "
-                     "(to %s after %d receives)", self.name, redrive[0], redrive[1])
-        else:
-            raise ConfigurationError(
-                f"{self.name}: the queue has no redrive policy and no dead_letter_queue_url was given, so a "
-                "parked message would come back forever: pass dead_letter_queue_url= or give the queue a "
-                "RedrivePolicy")
 
     async def stop(self) -> None:
         """Stop polling: a long poll under way returns its messages to the queue (visibility 0), and
@@ -340,20 +240,17 @@ class SQSSource(EnvelopedSource):
         return messages
 
     def _accept(self, raw: dict[str, Any]) -> None:
-        message_id, receipt = raw["MessageId"], raw["ReceiptHandle"]
+        message_id = raw["MessageId"]
         held = self._messages.get(message_id)
         if held is not None:
             # Received again while held (its visibility lapsed, or SQS's at-least-once delivery):
             # one run is enough, and the settlement must use the newest receipt handle.
-            held.receipt = receipt
+            held.receipt = raw["ReceiptHandle"]
             held.extended = time.monotonic()
             RECEIVED_WHILE_HELD.labels(self.name).inc()
             self._slots.give(1)
             return
-        attributes = raw.get("Attributes", {})
-        message = _Message(id=message_id, receipt=receipt, raw=raw, group=attributes.get("MessageGroupId"),
-                           sent_at=int(attributes.get("SentTimestamp", 0)) / 1000 or time.time(),
-                           extended=time.monotonic())
+        message = HeldMessage.received(raw)
         self._messages[message_id] = message
         if self._stopping or message_id in self._left_for_redrive:
             self._release(message)
@@ -370,7 +267,7 @@ class SQSSource(EnvelopedSource):
     # ---------------------------------------------------------------------------------------------
     # one message
 
-    async def _run(self, message: _Message, previous: _Message | None) -> None:
+    async def _run(self, message: HeldMessage, previous: HeldMessage | None) -> None:
         decided = False
         try:
             if previous is not None and previous.task is not None:
@@ -382,7 +279,7 @@ class SQSSource(EnvelopedSource):
                 decided = True
                 return
             assert self._dispatch is not None
-            deliveries = self._deliveries(message.raw)
+            deliveries = self._deliveries(message)
             results = [await self._one_at_a_time(delivery) for delivery in deliveries]
             decided = True
             await self._settle(message, deliveries, results)
@@ -417,17 +314,12 @@ class SQSSource(EnvelopedSource):
             del self._running_keys[key]
             done.set_result(None)
 
-    def _deliveries(self, raw: Mapping[str, Any]) -> list[Delivery]:
-        headers = _headers(raw.get("MessageAttributes"))
-        headers["sqs-message-id"] = raw["MessageId"]
-        attributes = raw.get("Attributes", {})
-        if "MessageGroupId" in attributes:
-            headers["sqs-message-group-id"] = attributes["MessageGroupId"]
-        attempt = int(attributes.get("ApproximateReceiveCount", 1))
-        return unwrap(self.envelope, message_id=raw["MessageId"], body=raw["Body"].encode("utf-8"),
-                      headers=headers, attempt=attempt)
+    def _deliveries(self, message: HeldMessage) -> list[Delivery]:
+        attempt = int(message.raw.get("Attributes", {}).get("ApproximateReceiveCount", 1))
+        return unwrap(self.envelope, message_id=message.id, body=message.raw["Body"].encode("utf-8"),
+                      headers=message.headers(), attempt=attempt)
 
-    async def _settle(self, message: _Message, deliveries: list[Delivery], results: list[Result]) -> None:
+    async def _settle(self, message: HeldMessage, deliveries: list[Delivery], results: list[Result]) -> None:
         """One settlement per SQS message: every record of an S3 message must be settled before the
         message is deleted."""
         message.settling = True
@@ -458,54 +350,39 @@ class SQSSource(EnvelopedSource):
         step = self.retry_delays[min(attempt, len(self.retry_delays)) - 1]
         return max(step, wanted)
 
-    async def _delete(self, message: _Message) -> None:
+    async def _delete(self, message: HeldMessage) -> None:
         assert self._deletes is not None
-        done = self._deletes.put(lambda: {"ReceiptHandle": message.receipt})
+        done = self._deletes.put(message.deletion)
         self._free_slot(message)
         await done
 
-    async def _change_visibility(self, message: _Message, seconds: float) -> None:
+    async def _change_visibility(self, message: HeldMessage, seconds: float) -> None:
         assert self._visibility is not None
-        done = self._visibility.put(_visibility_entry(message, _clamped(message, seconds)))
+        done = self._visibility.put(message.visibility(seconds))
         self._free_slot(message)
         await done
 
-    def _release(self, message: _Message) -> None:
+    def _release(self, message: HeldMessage) -> None:
         """Back to the queue at once (visibility 0), not processed; nobody waits for the answer."""
         assert self._visibility is not None
         message.went_back = True
         message.settling = True
-        self._visibility.put(_visibility_entry(message, 0))
+        self._visibility.put(message.visibility(0))
 
-    async def _copy_to_dead_letters(self, message: _Message, result: Result) -> None:
+    async def _copy_to_dead_letters(self, message: HeldMessage, result: Result) -> None:
         assert self._sqs is not None and self.dead_letter_queue_url is not None
-        ours = {REASON_ATTRIBUTE: result.reason or "dead_letter", SOURCE_QUEUE_ATTRIBUTE: self._url}
-        if result.key_digest:
-            ours[KEY_DIGEST_ATTRIBUTE] = result.key_digest  # a keyed digest: never the raw key
-        attributes = {name: {"DataType": "String", "StringValue": value} for name, value in ours.items()}
-        originals = message.raw.get("MessageAttributes") or {}
-        room = _MAX_ATTRIBUTES - len(attributes)
-        for name, value in list(originals.items())[:room]:
-            attributes[name] = {k: v for k, v in value.items() if k in ("DataType", "StringValue", "BinaryValue")}
-        if len(originals) > room:
-            log.warning("%s: the dead-letter copy keeps %d of the message's %d attributes (SQS allows %d); "
-                        "the parked record in the database has them all", self.name, room, len(originals),
-                        _MAX_ATTRIBUTES)
-        params: dict[str, Any] = dict(QueueUrl=self.dead_letter_queue_url, MessageBody=message.raw["Body"],
-                                      MessageAttributes=attributes)
-        if self.fifo:
-            params["MessageGroupId"] = message.group or "consumer-kit"
-            params["MessageDeduplicationId"] = message.id  # a repeated copy is dropped by SQS
-        await self._sqs.call("send_message", **params)
+        await self._sqs.call("send_message", **dead_letter_copy(
+            message, result, queue_url=self._url, dead_letter_queue_url=self.dead_letter_queue_url, fifo=self.fifo,
+            source=self.name))
 
-    def _forget(self, message: _Message) -> None:
+    def _forget(self, message: HeldMessage) -> None:
         self._free_slot(message)
         if self._messages.get(message.id) is message:
             del self._messages[message.id]
         if message.group is not None and self._groups.get(message.group) is message:
             del self._groups[message.group]
 
-    def _free_slot(self, message: _Message) -> None:
+    def _free_slot(self, message: HeldMessage) -> None:
         """Its in-flight slot back to the pollers, once: when its settlement has been handed over (a
         delete waiting for its batch holds no handler), or when it is forgotten."""
         if not message.slot_freed:
@@ -525,46 +402,8 @@ class SQSSource(EnvelopedSource):
             for message in list(self._messages.values()):
                 if message.settling or message.beat is not None or now - message.extended < self._beat_every:
                     continue
-                timeout = _clamped(message, self._timeout)
-                if timeout <= 0:
+                entry = message.visibility(self._timeout)
+                if entry()["VisibilityTimeout"] <= 0:
                     continue  # at SQS's 12-hour limit: it cannot be held longer
-                message.beat = self._visibility.put(_visibility_entry(message, timeout))
-                message.beat.add_done_callback(functools.partial(_beaten, message, now))
-
-
-def _visibility_entry(message: _Message, timeout: int) -> Callable[[], dict[str, Any]]:
-    return lambda: {"ReceiptHandle": message.receipt, "VisibilityTimeout": timeout}
-
-
-def _beaten(message: _Message, at: float, beat: asyncio.Future[Any]) -> None:
-    message.beat = None
-    if not beat.cancelled() and beat.exception() is None:
-        message.extended = at
-
-
-def _clamped(message: _Message, seconds: float) -> int:
-    """Whole seconds, within SQS's limit: at most 12 hours of visibility since the message was sent."""
-    left = MAX_VISIBILITY_SECONDS - (time.time() - message.sent_at) - 5
-    return max(0, min(math.ceil(seconds), MAX_VISIBILITY_SECONDS, int(left)))
-
-
-def _headers(attributes: Mapping[str, Any] | None) -> dict[str, str]:
-    """Message attributes as headers: string and number values as sent, binary ones base64."""
-    headers: dict[str, str] = {}
-    for name, value in (attributes or {}).items():
-        if "StringValue" in value:
-            headers[name] = value["StringValue"]
-        elif "BinaryValue" in value:
-            headers[name] = base64.b64encode(value["BinaryValue"]).decode("ascii")
-    return headers
-
-
-def _redrive_policy(attributes: Mapping[str, str]) -> tuple[str, int] | None:
-    raw = attributes.get("RedrivePolicy")
-    if not raw:
-        return None
-    try:
-        policy = json.loads(raw)
-        return str(policy["deadLetterTargetArn"]), int(policy["maxReceiveCount"])
-    except (ValueError, KeyError, TypeError):
-        return None
+                message.beat = self._visibility.put(entry)
+                message.beat.add_done_callback(functools.partial(message.beaten, now))
