@@ -6,8 +6,8 @@ ten at most) and settles each message after the pipeline decided, that is after 
 effect committed:
 
 ============  ==========================================================================================
-ACK           ``DeleteMessageBatch`` (entries gathered ten at a time or for a few milliseconds), with the
-              newest receipt handle of the message
+ACK           ``DeleteMessageBatch`` (entries gathered ten at a time, for at most ``settle_linger`` seconds
+              and only while other messages are still in the pipeline), with the newest receipt handle
 RETRY_LATER   ``ChangeMessageVisibility`` to the larger of the pipeline's delay and this attempt's step
               of ``retry_delays``, within SQS's 12-hour limit
 DEAD_LETTER   a copy to ``dead_letter_queue_url`` with ``x-consumer-kit-reason`` and

@@ -132,7 +132,8 @@ class _Entry:
 class BatchAction:
     """One SQS batch action (``delete_message_batch``, ``change_message_visibility_batch``,
     ``send_message_batch``) on one queue: entries collect until there are ten (or their bytes reach
-    the request limit) or ``linger`` seconds pass, then go out in one call.
+    the request limit), ``linger`` seconds pass or the owner calls :meth:`flush`, then go out in one
+    call.
 
     Entry ids are positions in the batch, never message ids: one receive can return the same message
     twice, and two entries with one id fail the whole call (``BatchEntryIdsNotDistinct``). Each entry
@@ -165,12 +166,13 @@ class BatchAction:
         entry.future.add_done_callback(_consume)
         self._pending.append(entry)
         if len(self._pending) >= BATCH_MAX:
-            self._flush()
+            self.flush()
         elif self._timer is None:
-            self._timer = loop.call_later(self.linger, self._flush)
+            self._timer = loop.call_later(self.linger, self.flush)
         return entry.future
 
-    def _flush(self) -> None:
+    def flush(self) -> None:
+        """Send what is queued now, ten entries a call."""
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
@@ -233,11 +235,11 @@ class BatchAction:
 
     def _requeue(self, entries: list[_Entry]) -> None:
         self._pending[:0] = entries
-        self._flush()
+        self.flush()
 
     async def drain(self, seconds: float) -> None:
         """Send what is queued now and wait (up to ``seconds``) for every call under way."""
-        self._flush()
+        self.flush()
         if self._sending:
             await asyncio.wait(set(self._sending), timeout=seconds)
 

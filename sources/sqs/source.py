@@ -9,7 +9,7 @@ import functools
 import random
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from prometheus_client import Counter
@@ -46,6 +46,8 @@ class SQSSource(EnvelopedSource):
     extended every ``heartbeat_interval`` (default: a third of it) while a message is held.
     ``dead_letter_queue_url``: where parked messages are copied; without it the queue's redrive
     policy moves them. ``endpoint_url`` and ``region`` override ``SQS_ENDPOINT_URL`` / ``SQS_REGION``.
+    ``settle_linger``: how long a delete or visibility change waits for others to share its call
+    while messages are still in the pipeline (fewer calls: SQS bills per request).
     """
 
     def __init__(
@@ -67,7 +69,7 @@ class SQSSource(EnvelopedSource):
         endpoint_url: str | None = None,
         region: str | None = None,
         name: str | None = None,
-        settle_linger: float = 0.005,
+        settle_linger: float = 0.02,
     ) -> None:
         super().__init__(namespace=namespace, version=version, key=key, key_mapper=key_mapper)
         if (queue_url is None) == (queue_name is None):
@@ -106,6 +108,7 @@ class SQSSource(EnvelopedSource):
         self._tasks: set[asyncio.Task[None]] = set()
         self._groups: dict[str, HeldMessage] = {}  # FIFO: the newest held message of each group
         self._running_keys: dict[str, asyncio.Future[None]] = {}  # keys being dispatched now
+        self._dispatching = 0  # messages whose deliveries are in the pipeline now
         self._pollers: set[asyncio.Task[None]] = set()
         self._heartbeat: asyncio.Task[None] | None = None
         self._slots = Slots(max_in_flight)
@@ -280,7 +283,11 @@ class SQSSource(EnvelopedSource):
                 return
             assert self._dispatch is not None
             deliveries = self._deliveries(message)
-            results = [await self._one_at_a_time(delivery) for delivery in deliveries]
+            self._dispatching += 1
+            try:
+                results = [await self._one_at_a_time(delivery) for delivery in deliveries]
+            finally:
+                self._dispatching -= 1
             decided = True
             await self._settle(message, deliveries, results)
         except asyncio.CancelledError:
@@ -352,14 +359,18 @@ class SQSSource(EnvelopedSource):
 
     async def _delete(self, message: HeldMessage) -> None:
         assert self._deletes is not None
-        done = self._deletes.put(message.deletion)
-        self._free_slot(message)
-        await done
+        await self._settled(message, self._deletes, message.deletion)
 
     async def _change_visibility(self, message: HeldMessage, seconds: float) -> None:
         assert self._visibility is not None
-        done = self._visibility.put(message.visibility(seconds))
+        await self._settled(message, self._visibility, message.visibility(seconds))
+
+    async def _settled(self, message: HeldMessage, action: BatchAction,
+                       entry: Callable[[], dict[str, Any]]) -> None:
+        done = action.put(entry)
         self._free_slot(message)
+        if not self._dispatching:
+            action.flush()  # nothing else is about to settle: no point waiting for company
         await done
 
     def _release(self, message: HeldMessage) -> None:

@@ -25,7 +25,7 @@ from tests.integration.sqs_env import REGION, Moto
 pytestmark = [pytest.mark.sqs, pytest.mark.postgres]
 
 ROOT = Path(__file__).resolve().parents[2]
-ORDERS = 400
+ORDERS = 300
 
 
 def start_worker(env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:

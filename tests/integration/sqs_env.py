@@ -4,6 +4,7 @@ fixture): unique queues, sending, queue depth, draining, and settings that point
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import secrets
 from collections.abc import Iterable, Mapping
@@ -100,10 +101,8 @@ class Moto:
 
     async def cleanup(self) -> None:
         for url in self.created:
-            try:
+            with contextlib.suppress(Exception):  # already gone
                 await asyncio.to_thread(self.sqs.delete_queue, QueueUrl=url)
-            except Exception:
-                continue
 
 
 def attribute(value: str) -> dict[str, str]:
