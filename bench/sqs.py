@@ -37,7 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -109,8 +109,9 @@ async def _hand_rolled(endpoint: str, url: str, count: int, dsn: str | None, clo
     pool = await asyncpg.create_pool(dsn, min_size=DB_CONNECTIONS, max_size=DB_CONNECTIONS) if dsn else None
     threads = ThreadPoolExecutor(max_workers=POLLERS + 1)
     loop = asyncio.get_running_loop()
-    client = await loop.run_in_executor(threads, lambda: boto3.client("sqs", endpoint_url=endpoint,
-                                                                      region_name=REGION))
+    # A session of its own, as each SQSSource has: the default one is already warm from filling.
+    client = await loop.run_in_executor(threads, lambda: boto3.session.Session().client(
+        "sqs", endpoint_url=endpoint, region_name=REGION))
     done = 0
 
     async def consume() -> None:
@@ -153,24 +154,14 @@ async def _source_alone(endpoint: str, url: str, dlq: str, count: int, clock: Cl
     settings = Settings(sqs_endpoint_url=endpoint, sqs_region=REGION, sqs_wait_time_seconds=1)
     source = SQSSource(queue_url=url, namespace="bench", version=1, dead_letter_queue_url=dlq,
                        pollers=POLLERS, max_in_flight=IN_FLIGHT)
-    done = asyncio.Event()
-    settled = 0
 
     async def ack(delivery: Delivery) -> Result:
         return Result(Outcome.PROCESSED, Settlement.ACK)
 
-    async def after() -> None:
-        nonlocal settled
-        settled += 1
-        if settled == count:
-            clock.stop()
-            done.set()
-
     await source.start(ack, settings)
     clock.start()  # the pollers are created, and have not run yet
     try:
-        _count_settlements(source, after)
-        await done.wait()
+        await _settlements(source, count, clock).wait()
     finally:
         await source.stop()
         await source.close()
@@ -184,34 +175,31 @@ async def _framework(endpoint: str, url: str, dlq: str, count: int, db_url: str,
     app = ConsumerApp(settings)
     source = SQSSource(queue_url=url, namespace="bench", version=1, dead_letter_queue_url=dlq,
                        pollers=POLLERS, max_in_flight=IN_FLIGHT)
-    done = asyncio.Event()
-    settled = 0
 
     @app.handler(source, single_transaction=single, driver="asyncpg")
     async def handle(ctx: Context) -> None:
         await ctx.connection.execute("INSERT INTO bench_effects (body) VALUES ($1)", ctx.delivery.text())
 
-    async def after() -> None:
+    async with app.running():
+        clock.start()  # the source's pollers are created, and have not run yet
+        await _settlements(source, count, clock).wait()
+
+
+def _settlements(source: SQSSource, count: int, clock: Clock) -> asyncio.Event:
+    """An event set (and ``clock`` stopped) once ``source`` has settled ``count`` messages, counted
+    when SQS confirmed the delete, as the peers count."""
+    settle, done, settled = source._settle, asyncio.Event(), 0
+
+    async def counted(*args: Any) -> None:
         nonlocal settled
+        await settle(*args)
         settled += 1
         if settled == count:
             clock.stop()
             done.set()
 
-    async with app.running():
-        clock.start()  # the source's pollers are created, and have not run yet
-        _count_settlements(source, after)
-        await done.wait()
-
-
-def _count_settlements(source: SQSSource, after: Callable[[], Awaitable[None]]) -> None:
-    settle = source._settle  # counted once SQS confirmed the delete, as the peer counts
-
-    async def counted(*args: Any) -> None:
-        await settle(*args)
-        await after()
-
     source._settle = counted  # type: ignore[method-assign]
+    return done
 
 
 async def main() -> bool:

@@ -142,6 +142,16 @@ def _joined(*parts: str) -> str:
     return "#".join([*escaped, parts[-1]])
 
 
+def _inner(parts: tuple[str | None, str | None], body: bytes, headers: dict[str, str], attributes: dict[str, str],
+           attempt: int, *, missing: str, join: Callable[[str, str], str | None] = _joined) -> Delivery:
+    """The unwrapped delivery, keyed by its two id parts joined; without either, one that parks
+    ``missing_stable_id`` saying ``missing`` (unless ``key=`` finds an id)."""
+    first, second = parts
+    if first is None or second is None:
+        return Unwrapped(id=None, body=body, headers=headers, attributes=attributes, attempt=attempt, no_id=missing)
+    return Delivery(id=join(first, second), body=body, headers=headers, attributes=attributes, attempt=attempt)
+
+
 def _sns(document: Any, body: bytes, headers: Mapping[str, str], attempt: int) -> Delivery:
     if not isinstance(document, dict) or document.get("Type") != "Notification":
         kind = document.get("Type") if isinstance(document, dict) else None
@@ -165,11 +175,8 @@ def _sns(document: Any, body: bytes, headers: Mapping[str, str], attempt: int) -
     security = {"sns-topic-arn": topic or ""}
     if "sns-subject" in unwrapped:
         security["sns-subject"] = unwrapped["sns-subject"]
-    if topic is None or sns_id is None:
-        return Unwrapped(id=None, body=message.encode("utf-8"), headers=unwrapped, attributes=security,
-                         attempt=attempt, no_id="the SNS notification has no TopicArn or MessageId")
-    return Delivery(id=_joined(topic, sns_id), body=message.encode("utf-8"), headers=unwrapped,
-                    attributes=security, attempt=attempt)
+    return _inner((topic, sns_id), message.encode("utf-8"), unwrapped, security, attempt,
+                  missing="the SNS notification has no TopicArn or MessageId")
 
 
 def _eventbridge(document: Any, body: bytes, headers: Mapping[str, str], attempt: int) -> Delivery:
@@ -185,12 +192,8 @@ def _eventbridge(document: Any, body: bytes, headers: Mapping[str, str], attempt
     detail = json.dumps(document["detail"], separators=(",", ":"), ensure_ascii=False).encode("utf-8")
     security = {"eventbridge-source": unwrapped.get("eventbridge-source", ""),
                 "eventbridge-detail-type": unwrapped.get("eventbridge-detail-type", "")}
-    source, event_id = _text(document.get("source")), _text(document.get("id"))
-    if source is None or event_id is None:
-        return Unwrapped(id=None, body=detail, headers=unwrapped, attributes=security, attempt=attempt,
-                         no_id="the EventBridge event has no source or id")
-    return Delivery(id=_joined(source, event_id), body=detail, headers=unwrapped, attributes=security,
-                    attempt=attempt)
+    return _inner((_text(document.get("source")), _text(document.get("id"))), detail, unwrapped, security, attempt,
+                  missing="the EventBridge event has no source or id")
 
 
 def _s3(document: Any, body: bytes, headers: Mapping[str, str], attempt: int) -> list[Delivery]:
@@ -307,12 +310,8 @@ def _binary_cloudevent(attributes: dict[str, str], content_type: str | None, dat
     security = {name: attributes[name] for name in _CLOUDEVENT_SECURITY_ATTRIBUTES if name in attributes}
     if content_type:
         security["datacontenttype"] = content_type
-    source, event_id = _text(attributes.get("source")), _text(attributes.get("id"))
-    if source is None or event_id is None:
-        return Unwrapped(id=None, body=data, headers=unwrapped, attributes=security, attempt=attempt,
-                         no_id="the CloudEvent has no id or no source")
-    return Delivery(id=_cloudevent_id(source, event_id), body=data, headers=unwrapped, attributes=security,
-                    attempt=attempt)
+    return _inner((_text(attributes.get("source")), _text(attributes.get("id"))), data, unwrapped, security,
+                  attempt, missing="the CloudEvent has no id or no source", join=_cloudevent_id)
 
 
 def _cloudevent_id(source: str, event_id: str) -> str | None:
