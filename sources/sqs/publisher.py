@@ -53,7 +53,11 @@ class SqsPublisher:
                 sqs = SqsClient(endpoint_url=self.endpoint_url or settings.sqs_endpoint_url,
                                 region=self.region or settings.sqs_region, threads=self.threads,
                                 read_timeout=30, name="relay")
-                await sqs.open()
+                try:
+                    await sqs.open()
+                except BaseException:  # failed or cancelled: its pool must not outlive it
+                    await asyncio.shield(sqs.close())
+                    raise
                 self._sqs = sqs
             return self._sqs
 

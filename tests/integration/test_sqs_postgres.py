@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 from collections import Counter
 
 import pytest
 from prometheus_client import REGISTRY
-from sqlalchemy import Column, Integer, MetaData, String, Table, distinct, func, select
+from sqlalchemy import Column, Integer, MetaData, String, Table, distinct, func, select, text
 
 from consumer_kit import ConsumerApp, Context
+from consumer_kit.relay import OutboxRelay
 from consumer_kit.store import OutboxMessage
 from sources.sqs import MESSAGE_ID_ATTRIBUTE, SqsPublisher, SQSSource
 from tests.integration.rabbit import wait_until
@@ -149,3 +151,30 @@ async def test_a_publish_that_sqs_refuses_fails_that_row_only(moto: Moto, sqlite
     assert "not a valid SQS message attribute name" in str(results[2])
     assert isinstance(results[3], Exception) and isinstance(results[4], Exception)
     assert Counter(m["Body"][:4] for m in await moto.drain(events)) == {"fine": 1, "yyyy": 1}
+
+
+async def test_rows_wait_out_an_unreachable_endpoint(moto: Moto, sqlite_url: str) -> None:
+    events, _ = await moto.queue(dead_letter=False)
+    with socket.socket() as probe:  # a port that was just free: nothing listens there
+        probe.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{probe.getsockname()[1]}"
+    settings = moto.settings(sqlite_url)
+    app = ConsumerApp(settings)
+    async with app.running():
+        async with app.engine.begin() as conn:
+            row = await app.outbox.enqueue(conn, events, "kept")
+        unreachable = SqsPublisher(settings=settings, endpoint_url=dead)
+        try:
+            assert await OutboxRelay(app.outbox, unreachable, settings).run_once() == (0, 1)
+        finally:
+            await unreachable.close()
+        assert (await app.outbox.stats()).pending == 1
+        async with app.engine.begin() as conn:  # the failed row is due again after its backoff: now
+            await conn.execute(text("UPDATE outbox SET available_at = created_at"))
+        reachable = SqsPublisher(settings=settings)
+        try:
+            assert await OutboxRelay(app.outbox, reachable, settings).run_once() == (1, 0)
+        finally:
+            await reachable.close()
+    [message] = await moto.drain(events)
+    assert message["Body"] == "kept" and message["MessageAttributes"][MESSAGE_ID_ATTRIBUTE]["StringValue"] == row
