@@ -101,29 +101,34 @@ def unwrap(envelope: str, *, message_id: str | None, body: bytes, headers: Mappi
     """
     if envelope == "sqs":
         return [Delivery(id=message_id, body=body, headers=headers, attempt=attempt)]
+    if envelope not in ENVELOPES:
+        raise ValueError(f"unknown envelope {envelope!r}; choose from {ENVELOPES}")
     try:
-        document = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
-        document = None
-    if envelope == "sns":
-        return [_sns(document, body, headers, attempt)]
-    if envelope == "eventbridge":
-        return [_eventbridge(document, body, headers, attempt)]
-    if envelope == "s3":
-        return _s3(document, body, headers, attempt)
-    if envelope == "cloudevents":
+        document = _json(body)
+        if envelope == "sns":
+            return [_sns(document, body, headers, attempt)]
+        if envelope == "eventbridge":
+            return [_eventbridge(document, body, headers, attempt)]
+        if envelope == "s3":
+            return _s3(document, body, headers, attempt)
         return [structured_cloudevent(document, body, headers, attempt)]
-    raise ValueError(f"unknown envelope {envelope!r}; choose from {ENVELOPES}")
+    except Exception as exc:  # a body built to break a parser (nesting past the recursion limit ...)
+        return [_mismatch(body, headers, attempt, f"the message cannot be read ({type(exc).__name__})")]
+
+
+def _json(body: bytes) -> Any:
+    """``body`` parsed as JSON, or ``None`` when it is not JSON (or nested too deep to parse)."""
+    try:
+        return json.loads(body)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return None
 
 
 def is_s3_test_event(body: bytes) -> bool:
     """Whether ``body`` is the ``s3:TestEvent`` S3 sends when a notification is configured."""
     if S3_TEST_EVENT.encode() not in body:
         return False
-    try:
-        document = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
-        return False
+    document = _json(body)
     return isinstance(document, dict) and document.get("Event") == S3_TEST_EVENT
 
 
@@ -155,7 +160,7 @@ def _inner(parts: tuple[str | None, str | None], body: bytes, headers: dict[str,
 def _sns(document: Any, body: bytes, headers: Mapping[str, str], attempt: int) -> Delivery:
     if not isinstance(document, dict) or document.get("Type") != "Notification":
         kind = document.get("Type") if isinstance(document, dict) else None
-        return _mismatch(body, headers, attempt, f"not an SNS notification (Type {kind!r})"
+        return _mismatch(body, headers, attempt, f"not an SNS notification (Type {kind[:40]!r})"
                          if isinstance(kind, str) else "not an SNS notification")
     message = document.get("Message")
     if not isinstance(message, str):
@@ -279,10 +284,10 @@ def amqp_cloudevent(delivery: Delivery, content_type: str | None) -> Delivery:
     media = (content_type or "").split(";", 1)[0].strip().lower()
     if media == "application/cloudevents+json":
         try:
-            document = json.loads(delivery.body)
-        except (ValueError, UnicodeDecodeError):
-            document = None
-        return structured_cloudevent(document, delivery.body, delivery.headers, delivery.attempt)
+            return structured_cloudevent(_json(delivery.body), delivery.body, delivery.headers, delivery.attempt)
+        except Exception as exc:  # as in unwrap(): a body built to break the parser is parked, not retried
+            return _mismatch(delivery.body, delivery.headers, delivery.attempt,
+                             f"the message cannot be read ({type(exc).__name__})")
     if media.startswith("application/cloudevents"):
         return _mismatch(delivery.body, delivery.headers, delivery.attempt,
                          f"a CloudEvents format this source does not read ({media})")

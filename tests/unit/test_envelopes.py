@@ -64,7 +64,8 @@ def test_sns_keys_by_topic_and_sns_message_id_and_unwraps_the_message() -> None:
 
 
 @pytest.mark.parametrize("body", [
-    b"not json", {"Type": "SubscriptionConfirmation", "TopicArn": "t", "MessageId": "m"},
+    b"not json", b"[" * 100_000 + b"]" * 100_000, b"\xff\xfe",
+    {"Type": "SubscriptionConfirmation", "TopicArn": "t", "MessageId": "m"},
     {"order": "O-1"}, {"Type": "Notification", "TopicArn": "t", "MessageId": "m", "Message": 5},
 ])
 def test_sns_parks_what_is_not_a_notification_as_envelope_mismatch(body: object) -> None:
@@ -169,6 +170,8 @@ def test_amqp_binary_mode_reads_cloudevents_application_properties() -> None:
                                       "application/cloudevents+json; charset=utf-8")
     assert key_of(structured_mode) == "orders:v1:/orders#ev-1"
     assert reason_of(amqp_cloudevent(Delivery(id="x", body=b"{}"), "application/json")) == "envelope_mismatch"
+    assert reason_of(amqp_cloudevent(Delivery(id="x", body=b"[" * 100_000), "application/cloudevents+json")) == \
+        "envelope_mismatch"
     assert reason_of(amqp_cloudevent(Delivery(id="x", body=b"[]"), "application/cloudevents-batch+json")) == \
         "envelope_mismatch"
 
