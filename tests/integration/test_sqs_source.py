@@ -270,17 +270,31 @@ async def test_fifo_keeps_each_groups_order_under_concurrency(moto: Moto, sqlite
     url, dlq = await moto.queue(fifo=True)
     done_in_order: dict[str, list[int]] = {}
     failed_once: set[str] = set()
+    running: set[str] = set()
+    overlaps: list[str] = []
+    most_at_once = 0
 
     async def handle(ctx: Context) -> None:
+        nonlocal most_at_once
         group, number = ctx.delivery.text().split(":")
-        await asyncio.sleep(random.uniform(0, 0.02))
-        if number == "5" and group not in failed_once:
-            failed_once.add(group)  # the group's sixth message goes back to the queue once
-            raise ConnectionError("try again")
-        done_in_order.setdefault(group, []).append(int(number))
+        if group in running:
+            overlaps.append(group)  # two messages of one group at once (asserted below)
+        running.add(group)
+        most_at_once = max(most_at_once, len(running))
+        try:
+            await asyncio.sleep(random.uniform(0, 0.02))
+            if number == "5" and group not in failed_once:
+                failed_once.add(group)  # the group's sixth message goes back to the queue once
+                raise ConnectionError("try again")
+            done_in_order.setdefault(group, []).append(int(number))
+        finally:
+            running.discard(group)
 
     settings = moto.settings(sqlite_url, retry_attempts=1, retry_later_seconds=0)
-    app, _ = worker(settings, url, handle, dead_letter_queue_url=dlq, max_in_flight=16, retry_delays=(0.3,))
+    # One poller: moto's ReceiveMessage is not atomic, so two at once can each take messages of one
+    # group (SQS locks a group to the receive that got it). The groups still run concurrently here.
+    app, _ = worker(settings, url, handle, dead_letter_queue_url=dlq, max_in_flight=16, retry_delays=(0.3,),
+                    pollers=1)
     groups = [f"g{n}" for n in range(4)]
     async with app.running():
         await moto.send(url, [{"MessageBody": f"{g}:{i}", "MessageGroupId": g, "MessageDeduplicationId": f"{g}-{i}"}
@@ -292,6 +306,7 @@ async def test_fifo_keeps_each_groups_order_under_concurrency(moto: Moto, sqlite
         await wait_until(done, 60, "every group")
     assert done_in_order == {g: list(range(15)) for g in groups}
     assert failed_once == set(groups)
+    assert overlaps == [] and most_at_once > 1  # the groups ran side by side, each one at a time
 
 
 async def test_shutdown_shows_held_messages_again_at_once_and_deletes_none(moto: Moto, sqlite_url: str) -> None:
@@ -302,7 +317,8 @@ async def test_shutdown_shows_held_messages_again_at_once_and_deletes_none(moto:
         started.set()
         await asyncio.sleep(3600)  # outlasts the grace period: cancelled at shutdown
 
-    app, _ = worker(moto.settings(sqlite_url, shutdown_grace_seconds=0.5), url, stuck, dead_letter_queue_url=dlq)
+    app, _ = worker(moto.settings(sqlite_url, shutdown_grace_seconds=0.5), url, stuck, dead_letter_queue_url=dlq,
+                    pollers=1)  # see test_fifo_keeps_each_groups_order_under_concurrency
     await moto.send(url, [{"MessageBody": f"g:{i}", "MessageGroupId": "g", "MessageDeduplicationId": str(i)}
                           for i in range(4)])
     async with app.running():
@@ -315,7 +331,7 @@ async def test_shutdown_shows_held_messages_again_at_once_and_deletes_none(moto:
     async def record(ctx: Context) -> None:
         order.append(ctx.delivery.text())
 
-    second, _ = worker(moto.settings(sqlite_url), url, record, dead_letter_queue_url=dlq)
+    second, _ = worker(moto.settings(sqlite_url), url, record, dead_letter_queue_url=dlq, pollers=1)
     async with second.running():
         await wait_until(lambda: _true(len(order) == 4), 20, "the four messages")
         assert await second.dead_letters.count() == 0
