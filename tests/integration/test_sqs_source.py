@@ -245,7 +245,7 @@ async def test_the_endpoint_lost_mid_run_is_retried_with_backoff_and_nothing_is_
     try:
         async with app.running():
             await moto.send(url, [{"MessageBody": f"a-{i}"} for i in range(100)])
-            await wait_until(lambda: _true(len(seen) >= 20), 20, "the first effects")
+            await wait_until(lambda: _true(len(seen) >= 20), 60, "the first effects")
             await proxy.stop()
             await moto.send(url, [{"MessageBody": f"b-{i}"} for i in range(100)])
 
@@ -259,7 +259,7 @@ async def test_the_endpoint_lost_mid_run_is_retried_with_backoff_and_nothing_is_
             async def done() -> bool:
                 return len(set(seen)) == 200 and await moto.depth(url) == 0
 
-            await wait_until(done, 60, "all 200 effects after the endpoint came back")
+            await wait_until(done, 120, "all 200 effects after the endpoint came back")
     finally:
         await proxy.stop()
     assert sorted(set(seen)) == sorted([f"a-{i}" for i in range(100)] + [f"b-{i}" for i in range(100)])
