@@ -135,14 +135,14 @@ async def test_the_heartbeat_keeps_a_slow_message_hidden(moto: Moto, sqlite_url:
 
     async def slow(ctx: Context) -> None:
         runs.append(ctx.delivery.attempt)
-        await asyncio.sleep(5)
+        await asyncio.sleep(7)
 
-    app, source = worker(moto.settings(sqlite_url), url, slow, dead_letter_queue_url=dlq, visibility_timeout=2)
+    app, source = worker(moto.settings(sqlite_url), url, slow, dead_letter_queue_url=dlq, visibility_timeout=3)
     async with app.running():
         await moto.send(url, [{"MessageBody": "slow"}])
         await wait_until(lambda: _true(bool(runs)), 10, "the handler to start")
-        # Another consumer polls throughout: had the 2 s visibility lapsed, it would get the message.
-        stolen = await asyncio.to_thread(_poll_for, moto, url, seconds=4.5)
+        # Another consumer polls throughout: had the 3 s visibility lapsed, it would get the message.
+        stolen = await asyncio.to_thread(_poll_for, moto, url, seconds=6)
 
         async def done() -> bool:
             return await moto.depth(url) == 0
