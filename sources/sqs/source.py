@@ -108,7 +108,7 @@ class SQSSource(EnvelopedSource):
         self._tasks: set[asyncio.Task[None]] = set()
         self._groups: dict[str, HeldMessage] = {}  # FIFO: the newest held message of each group
         self._running_keys: dict[str, asyncio.Future[None]] = {}  # keys being dispatched now
-        self._dispatching = 0  # messages whose deliveries are in the pipeline now
+        self._unsettled = 0  # held messages not yet settling (running, or about to)
         self._pollers: set[asyncio.Task[None]] = set()
         self._heartbeat: asyncio.Task[None] | None = None
         self._slots = Slots(max_in_flight)
@@ -255,6 +255,7 @@ class SQSSource(EnvelopedSource):
             return
         message = HeldMessage.received(raw)
         self._messages[message_id] = message
+        self._unsettled += 1
         if self._stopping or message_id in self._left_for_redrive:
             self._release(message)
             self._forget(message)
@@ -283,11 +284,7 @@ class SQSSource(EnvelopedSource):
                 return
             assert self._dispatch is not None
             deliveries = self._deliveries(message)
-            self._dispatching += 1
-            try:
-                results = [await self._one_at_a_time(delivery) for delivery in deliveries]
-            finally:
-                self._dispatching -= 1
+            results = [await self._one_at_a_time(delivery) for delivery in deliveries]
             decided = True
             await self._settle(message, deliveries, results)
         except asyncio.CancelledError:
@@ -329,7 +326,7 @@ class SQSSource(EnvelopedSource):
     async def _settle(self, message: HeldMessage, deliveries: list[Delivery], results: list[Result]) -> None:
         """One settlement per SQS message: every record of an S3 message must be settled before the
         message is deleted."""
-        message.settling = True
+        self._settling(message)
         if message.beat is not None:  # an extension under way must not land after our change
             await asyncio.wait([message.beat])
         if not results and is_s3_test_event(message.raw["Body"].encode("utf-8")):
@@ -369,7 +366,7 @@ class SQSSource(EnvelopedSource):
                        entry: Callable[[], dict[str, Any]]) -> None:
         done = action.put(entry)
         self._free_slot(message)
-        if not self._dispatching:
+        if not self._unsettled:
             action.flush()  # nothing else is about to settle: no point waiting for company
         await done
 
@@ -377,7 +374,7 @@ class SQSSource(EnvelopedSource):
         """Back to the queue at once (visibility 0), not processed; nobody waits for the answer."""
         assert self._visibility is not None
         message.went_back = True
-        message.settling = True
+        self._settling(message)
         self._visibility.put(message.visibility(0))
 
     async def _copy_to_dead_letters(self, message: HeldMessage, result: Result) -> None:
@@ -386,7 +383,14 @@ class SQSSource(EnvelopedSource):
             message, result, queue_url=self._url, dead_letter_queue_url=self.dead_letter_queue_url, fifo=self.fifo,
             source=self.name))
 
+    def _settling(self, message: HeldMessage) -> None:
+        """Decided: the heartbeat leaves it alone, and it no longer counts as about to settle."""
+        if not message.settling:
+            message.settling = True
+            self._unsettled -= 1
+
     def _forget(self, message: HeldMessage) -> None:
+        self._settling(message)
         self._free_slot(message)
         if self._messages.get(message.id) is message:
             del self._messages[message.id]
