@@ -1,9 +1,9 @@
 """Amazon SQS: a receiving source and the outbox publisher, on boto3. Needs the ``sqs`` extra.
 
 ``SQSSource(queue_url=... | queue_name=..., namespace=..., version=...)`` long-polls the queue on a
-thread pool of its own (``pollers`` polls at once, each asking for at most the free in-flight slots,
-ten at most) and settles each message after the pipeline decided, that is after the inbox and the
-effect committed:
+thread pool of its own (``pollers`` polls at once, each waiting for ten free in-flight slots, or all
+of them when ``max_in_flight`` is smaller, and asking for that many) and settles each message after
+the pipeline decided, that is after the inbox and the effect committed:
 
 ============  ==========================================================================================
 ACK           ``DeleteMessageBatch`` (entries gathered ten at a time, for at most ``settle_linger`` seconds

@@ -79,13 +79,15 @@ class Slots:
     """The free in-flight slots; pollers take some before each receive and never ask SQS for more."""
 
     def __init__(self, total: int) -> None:
-        self.free = total
+        self.total = self.free = total
         self.closed = False
         self._changed = asyncio.Event()
 
     async def take(self, most: int) -> int:
-        """Up to ``most`` slots, waiting for at least one; 0 once closed."""
-        while self.free == 0 and not self.closed:
+        """``most`` slots (all of them, if there are fewer in all), waiting until they are free; 0 once
+        closed. A receive for fewer messages costs SQS (and the bill) as much as one for ten."""
+        need = min(most, self.total)
+        while self.free < need and not self.closed:
             self._changed.clear()
             await self._changed.wait()
         if self.closed:
