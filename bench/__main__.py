@@ -12,6 +12,7 @@ BENCHMARKS = {
     "coordinator": "bench.coordinator",
     "webhooks": "bench.webhooks",
     "rabbitmq": "bench.rabbitmq",
+    "sqs": "bench.sqs",
 }
 
 

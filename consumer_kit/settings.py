@@ -94,6 +94,17 @@ class Settings(BaseSettings):
     rabbitmq_url: SecretStr | None = Field(
         None, description="AMQP URL of the broker (it carries credentials, so it has no default)."
     )
+    sqs_endpoint_url: str | None = Field(
+        None, description="SQS endpoint (LocalStack, moto, a VPC endpoint); unset = AWS's for the region."
+    )
+    sqs_region: str | None = Field(
+        None, description="AWS region of the queues; unset = boto3's chain (AWS_REGION, AWS_DEFAULT_REGION, "
+        "~/.aws/config). Credentials always come from boto3's chain."
+    )
+    sqs_wait_time_seconds: int = Field(
+        20, ge=0, le=20, description="SQS long-poll wait; a stopping source waits at most this long for a "
+        "poll under way."
+    )
     outbox_batch_size: int = Field(100, gt=0, description="Outbox rows a relay claims per round.")
     outbox_poll_seconds: float = Field(1.0, gt=0, description="Relay polling interval besides NOTIFY.")
     outbox_backoff_seconds: float = Field(1.0, gt=0, description="First delay after a failed publish.")

@@ -15,9 +15,14 @@ DEAD_LETTER   a copy to ``<queue>.dlq`` with the reason in ``x-consumer-kit-reas
 
 The copy is confirmed by the broker before the original is acked, so a crash in between delivers the
 message twice, never zero times; the inbox absorbs the repeat. The key is the AMQP ``message_id``
-property only: a message without one is parked "missing_stable_id" and dead-lettered, never keyed by
-delivery tag or body. The attempt number comes from the copy's ``x-consumer-kit-attempt`` header plus
-``x-delivery-count`` (quorum queues) or the redelivered flag.
+property, or ``key=``: a header name or a callable that picks an immutable business id (aio-pika and
+aiormq give every message published without a ``message_id`` a random one, so a publisher that
+re-sends after a lost confirm makes a new ``message_id``; key by the business id then). A message
+without its id is parked "missing_stable_id" and dead-lettered, never keyed by delivery tag or body.
+``envelope="cloudevents"`` keys by the CloudEvent's ``source`` + ``id`` (AMQP binding: structured
+mode, or binary mode with ``cloudEvents_*`` / ``cloudEvents:*`` application properties) and hands the
+handler the event's data. The attempt number comes from the copy's ``x-consumer-kit-attempt`` header
+plus ``x-delivery-count`` (quorum queues) or the redelivered flag.
 
 ``AmqpPublisher`` implements :class:`consumer_kit.relay.Publisher`: it publishes outbox rows with
 publisher confirms, ``message_id`` = the row id, persistent, and mandatory (an unroutable destination
@@ -47,10 +52,11 @@ except ModuleNotFoundError as exc:  # pragma: no cover - exercised only without 
 
     raise missing_extra("rabbitmq", "sources.rabbitmq", exc) from exc
 
-from consumer_kit.delivery import Delivery, Dispatch, KeyedSource, KeyMapper, Result, Settlement
+from consumer_kit.delivery import Delivery, Dispatch, KeyMapper, Result, Settlement
 from consumer_kit.errors import ConfigurationError
 from consumer_kit.settings import Settings
 from consumer_kit.store.outbox import OutboxMessage
+from sources.envelopes import EnvelopedSource, KeyFunction, amqp_cloudevent, require_cloudevents
 
 log = logging.getLogger("consumer_kit.sources.rabbitmq")
 
@@ -64,8 +70,11 @@ DEFAULT_RETRY_DELAYS = (1.0, 5.0, 30.0, 120.0)
 SETTLE_TIMEOUT_SECONDS = 10.0  # how long close() waits for acks and copies already under way
 
 
-class RabbitMQSource(KeyedSource):
+class RabbitMQSource(EnvelopedSource):
     """Consumes ``queue``; ``prefetch`` bounds how many deliveries are processed at once.
+
+    ``key`` (a header name, or a callable ``(Delivery) -> str``) keys by a business id instead of the
+    ``message_id``; ``envelope="cloudevents"`` by the CloudEvent inside (see the module docstring).
 
     ``url`` defaults to the ``RABBITMQ_URL`` setting. With ``declare=True`` (the default) the queue,
     its dead-letter queue and the retry queues are declared durable (``queue_arguments`` for the main
@@ -83,15 +92,22 @@ class RabbitMQSource(KeyedSource):
         prefetch: int = 32,
         name: str | None = None,
         key_mapper: KeyMapper | None = None,
+        key: str | KeyFunction | None = None,
+        envelope: str = "amqp",
         declare: bool = True,
         queue_arguments: Mapping[str, Any] | None = None,
         dead_letter: bool = True,
         dead_letter_queue: str | None = None,
         retry_delays: Sequence[float] = DEFAULT_RETRY_DELAYS,
     ) -> None:
-        super().__init__(namespace=namespace, version=version, key_mapper=key_mapper)
+        super().__init__(namespace=namespace, version=version, key=key, key_mapper=key_mapper)
         if prefetch < 1:
             raise ConfigurationError("prefetch must be at least 1")
+        if envelope not in ("amqp", "cloudevents"):
+            raise ConfigurationError(f"unknown envelope {envelope!r} for RabbitMQ; choose 'amqp' or 'cloudevents'")
+        if envelope == "cloudevents":
+            require_cloudevents()
+        self.envelope = envelope
         self.queue = queue
         self.name = name or f"rabbitmq:{queue}"
         self.url = url
@@ -177,6 +193,8 @@ class RabbitMQSource(KeyedSource):
         assert self._dispatch is not None
         try:
             delivery = to_delivery(message)
+            if self.envelope == "cloudevents":
+                delivery = amqp_cloudevent(delivery, message.content_type)
             result = await self._dispatch(delivery)
             await self._settle(message, delivery, result)
         except asyncio.CancelledError:

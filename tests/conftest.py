@@ -6,7 +6,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import secrets
+import subprocess
+import sys
+import time
 from collections.abc import AsyncIterator, Coroutine, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -190,3 +194,46 @@ def make_settings(database_url: str, **overrides: object) -> Settings:
 def settings(database_url: str) -> Settings:
     """Settings on the parametrised database."""
     return make_settings(database_url)
+
+
+# ---------------------------------------------------------------------------------------------------
+# SQS (and SNS, EventBridge, S3): moto's server over HTTP
+
+
+@pytest.fixture(scope="session")
+def moto_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A moto server on a free loopback port for this run; yields its URL, with boto3 credentials set.
+
+    A subprocess rather than moto's in-process ``ThreadedMotoServer``: moto does most of the work in the
+    SQS tests (it scans the queue on every receive), and in this process it would contend for the GIL
+    with the event loop and the source's boto3 threads; as a process it runs on the other core.
+    """
+    log_path = tmp_path_factory.mktemp("moto") / "moto.log"
+    with log_path.open("wb") as log_file:
+        server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", "0"],
+                                  stdout=log_file, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 60
+    port = None
+    while port is None:
+        found = re.search(r"Running on http://127\.0\.0\.1:(\d+)", log_path.read_text(errors="replace"))
+        if found:
+            port = int(found.group(1))
+        elif server.poll() is not None or time.monotonic() > deadline:
+            server.kill()
+            raise RuntimeError(f"moto server did not start: {log_path.read_text(errors='replace')[-2000:]}")
+        else:
+            time.sleep(0.1)
+    patch = pytest.MonkeyPatch()
+    # boto3 reads credentials through its usual chain; these are moto's dummies.
+    patch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    patch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    patch.delenv("AWS_PROFILE", raising=False)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        patch.undo()
+        server.terminate()
+        try:
+            server.wait(10)
+        except subprocess.TimeoutExpired:
+            server.kill()

@@ -57,3 +57,17 @@ def test_sqlite_writes_a_private_key_file_once(tmp_path: Path, caplog: pytest.Lo
 def test_secret_is_not_in_repr() -> None:
     settings = Settings(idempotency_hmac_key="very-secret-value-123456")  # type: ignore[arg-type]
     assert "very-secret-value-123456" not in repr(settings)
+
+
+def test_sqs_settings_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    defaults = Settings(_env_file=None)  # type: ignore[call-arg]
+    assert (defaults.sqs_endpoint_url, defaults.sqs_region, defaults.sqs_wait_time_seconds) == (None, None, 20)
+    monkeypatch.setenv("SQS_ENDPOINT_URL", "http://localhost:4566")
+    monkeypatch.setenv("SQS_REGION", "eu-west-1")
+    monkeypatch.setenv("SQS_WAIT_TIME_SECONDS", "5")
+    settings = Settings(_env_file=None)  # type: ignore[call-arg]
+    assert (settings.sqs_endpoint_url, settings.sqs_region, settings.sqs_wait_time_seconds) == \
+        ("http://localhost:4566", "eu-west-1", 5)
+    monkeypatch.setenv("SQS_WAIT_TIME_SECONDS", "21")  # SQS's long poll is 20 s at most
+    with pytest.raises(ValueError, match="sqs_wait_time_seconds"):
+        Settings(_env_file=None)  # type: ignore[call-arg]

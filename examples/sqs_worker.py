@@ -1,0 +1,106 @@
+"""An SQS worker: orders published to an SNS topic reach ``ORDERS_QUEUE`` (SNS -> SQS); each is
+recorded in PostgreSQL and announced on ``EVENTS_QUEUE`` through the outbox.
+
+Run it the way production would::
+
+    export DATABASE_URL=postgresql://app@db/app IDEMPOTENCY_HMAC_KEY=... SQS_REGION=eu-west-1
+    # credentials: boto3's usual chain (AWS_PROFILE, the task or instance role, ...);
+    # SQS_ENDPOINT_URL=http://localhost:4566 for LocalStack or moto
+    consumer-kit db upgrade
+    python -m examples.sqs_worker init      # the example's table, and the topic and queues if missing
+    consumer-kit run examples.sqs_worker:app
+
+Publish ``{"order": "O-1", "amount": 12}`` to the ``ORDERS_TOPIC`` topic. The source unwraps the SNS
+envelope and keys each order by the topic and SNS's own ``MessageId`` (the same on every SNS retry);
+the handler inserts one ``example_sqs_orders`` row and stages an ``order.recorded`` event for
+``EVENTS_QUEUE`` in the same transaction; the relay that ``consumer-kit run`` starts sends it with the
+outbox row id in the ``x-consumer-kit-message-id`` attribute, which is what a consumer of the events
+keys by (``key=MESSAGE_ID_ATTRIBUTE``). Parked orders go to ``<ORDERS_QUEUE>-dlq`` through the
+queue's redrive policy (``init`` sets ``maxReceiveCount`` above ``MAX_DELIVERIES``). A worker killed
+at any point and started again records each order once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+
+import boto3
+from sqlalchemy import Column, Integer, MetaData, String, Table
+
+from consumer_kit import ConsumerApp, Context, Settings
+from consumer_kit.store import create_engine
+from sources.sqs import SqsPublisher, SQSSource
+
+ORDERS_TOPIC = os.environ.get("ORDERS_TOPIC", "orders")
+ORDERS_QUEUE = os.environ.get("ORDERS_QUEUE", "orders")
+EVENTS_QUEUE = os.environ.get("EVENTS_QUEUE", f"{ORDERS_QUEUE}-events")
+
+metadata = MetaData()
+orders = Table(
+    "example_sqs_orders",
+    metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("order_ref", String(100), nullable=False),
+    Column("amount", Integer, nullable=False),
+    Column("key_digest", String(16), nullable=False),
+)
+
+settings = Settings()
+app = ConsumerApp(settings)
+source = SQSSource(queue_name=ORDERS_QUEUE, namespace="sqs-orders", version=1, envelope="sns",
+                   max_in_flight=int(os.environ.get("ORDERS_MAX_IN_FLIGHT", "32")), retry_delays=(1.0, 5.0, 30.0))
+app.relay_outbox(SqsPublisher(settings=settings))
+
+
+@app.handler(source, name="record-sqs-order")
+async def record_order(ctx: Context) -> None:
+    """Record the order and announce it; both commit with the inbox row or not at all."""
+    order = ctx.delivery.json()
+    await ctx.db.execute(orders.insert().values(
+        order_ref=order["order"], amount=int(order["amount"]), key_digest=ctx.key_digest))
+    event = {"type": "order.recorded", "order": order["order"], "amount": order["amount"]}
+    ctx.outbox.publish(EVENTS_QUEUE, json.dumps(event), headers={"content-type": "application/json"})
+
+
+async def init() -> None:
+    """Create the example's table; create the topic, the queues (the orders queue with a redrive
+    policy to its dead-letter queue) and the subscription unless they exist. In production these come
+    from your infrastructure code; the calls are idempotent."""
+    engine = create_engine(settings.database_url)
+    try:
+        async with engine.begin() as conn:
+            await conn.run_sync(metadata.create_all)
+    finally:
+        await engine.dispose()
+    await asyncio.to_thread(_create_topic_and_queues)
+
+
+def _create_topic_and_queues() -> None:
+    where = {"endpoint_url": settings.sqs_endpoint_url, "region_name": settings.sqs_region}
+    sqs, sns = boto3.client("sqs", **where), boto3.client("sns", **where)
+
+    def arn(url: str) -> str:
+        return str(sqs.get_queue_attributes(QueueUrl=url, AttributeNames=["QueueArn"])["Attributes"]["QueueArn"])
+
+    dlq = sqs.create_queue(QueueName=f"{ORDERS_QUEUE}-dlq")["QueueUrl"]
+    redrive = {"deadLetterTargetArn": arn(dlq), "maxReceiveCount": settings.max_deliveries + 5}
+    queue = sqs.create_queue(QueueName=ORDERS_QUEUE, Attributes={
+        "RedrivePolicy": json.dumps(redrive),
+        "VisibilityTimeout": os.environ.get("ORDERS_VISIBILITY_SECONDS", "30")})["QueueUrl"]
+    sqs.create_queue(QueueName=EVENTS_QUEUE)
+    topic = sns.create_topic(Name=ORDERS_TOPIC)["TopicArn"]
+    # The queue must let SNS send to it: only this topic.
+    policy = {"Version": "2012-10-17", "Statement": [{
+        "Effect": "Allow", "Principal": {"Service": "sns.amazonaws.com"}, "Action": "sqs:SendMessage",
+        "Resource": arn(queue), "Condition": {"ArnEquals": {"aws:SourceArn": topic}}}]}
+    sqs.set_queue_attributes(QueueUrl=queue, Attributes={"Policy": json.dumps(policy)})
+    sns.subscribe(TopicArn=topic, Protocol="sqs", Endpoint=arn(queue))
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["init"]:
+        raise SystemExit("usage: python -m examples.sqs_worker init")
+    asyncio.run(init())
