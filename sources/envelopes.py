@@ -45,7 +45,8 @@ import hashlib
 import json
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime
 from typing import Any, Literal
 from urllib.parse import unquote_plus
 
@@ -92,13 +93,20 @@ class Unwrapped(Delivery):
 
 
 def unwrap(envelope: str, *, message_id: str | None, body: bytes, headers: Mapping[str, str],
-           attempt: int = 1) -> list[Delivery]:
+           attempt: int = 1, sent_at: datetime | None = None) -> list[Delivery]:
     """The deliveries inside one queue message (``s3``: one per record; none for ``s3:TestEvent``).
 
     ``message_id`` is the queue's own id (the ``sqs`` envelope's key) and ``headers`` its attributes.
     Never raises on bad input: a message that cannot be unwrapped comes back as one :class:`Unwrapped`
-    delivery of the raw message with ``mismatch`` set.
+    delivery of the raw message with ``mismatch`` set. ``sent_at`` (the queue's send time) is each
+    delivery's, unless the envelope carries an earlier one of its own (SNS's ``Timestamp``).
     """
+    return [d if d.sent_at is not None else replace(d, sent_at=sent_at)
+            for d in _unwrap(envelope, message_id=message_id, body=body, headers=headers, attempt=attempt)]
+
+
+def _unwrap(envelope: str, *, message_id: str | None, body: bytes, headers: Mapping[str, str],
+            attempt: int) -> list[Delivery]:
     if envelope == "sqs":
         return [Delivery(id=message_id, body=body, headers=headers, attempt=attempt)]
     if envelope not in ENVELOPES:
@@ -180,8 +188,20 @@ def _sns(document: Any, body: bytes, headers: Mapping[str, str], attempt: int) -
     security = {"sns-topic-arn": topic or ""}
     if "sns-subject" in unwrapped:
         security["sns-subject"] = unwrapped["sns-subject"]
-    return _inner((topic, sns_id), message.encode("utf-8"), unwrapped, security, attempt,
-                  missing="the SNS notification has no TopicArn or MessageId")
+    inner = _inner((topic, sns_id), message.encode("utf-8"), unwrapped, security, attempt,
+                   missing="the SNS notification has no TopicArn or MessageId")
+    published = _instant(_text(document.get("Timestamp")))  # when SNS accepted it: the send time
+    return replace(inner, sent_at=published) if published is not None else inner
+
+
+def _instant(value: str | None) -> datetime | None:
+    if not value:
+        return None
+    try:
+        instant = datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    return instant if instant.tzinfo is not None else instant.replace(tzinfo=UTC)
 
 
 def _eventbridge(document: Any, body: bytes, headers: Mapping[str, str], attempt: int) -> Delivery:

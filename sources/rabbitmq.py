@@ -36,6 +36,8 @@ import contextlib
 import json
 import logging
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
+from datetime import UTC
 from typing import Any
 
 try:
@@ -194,7 +196,7 @@ class RabbitMQSource(EnvelopedSource):
         try:
             delivery = to_delivery(message)
             if self.envelope == "cloudevents":
-                delivery = amqp_cloudevent(delivery, message.content_type)
+                delivery = replace(amqp_cloudevent(delivery, message.content_type), sent_at=delivery.sent_at)
             result = await self._dispatch(delivery)
             await self._settle(message, delivery, result)
         except asyncio.CancelledError:
@@ -279,9 +281,12 @@ def to_delivery(message: AbstractIncomingMessage) -> Delivery:
         attempt += 1
     attributes = {"type": message.type} if message.type else {}
     message_id = None if raw.get(NO_ID_HEADER) else message.message_id
+    sent_at = message.timestamp  # the publisher's own clock, when it set one
+    if sent_at is not None and sent_at.tzinfo is None:
+        sent_at = sent_at.replace(tzinfo=UTC)  # AMQP timestamps are seconds since the epoch: UTC
     return Delivery(
         id=message_id, body=message.body,
-        headers={k: _text(v) for k, v in raw.items()}, attributes=attributes, attempt=attempt,
+        headers={k: _text(v) for k, v in raw.items()}, attributes=attributes, attempt=attempt, sent_at=sent_at,
     )
 
 

@@ -10,6 +10,7 @@ import random
 import threading
 import time
 from collections.abc import Callable, Sequence
+from datetime import UTC, datetime
 from typing import Any
 
 from prometheus_client import Counter
@@ -319,9 +320,12 @@ class SQSSource(EnvelopedSource):
             done.set_result(None)
 
     def _deliveries(self, message: HeldMessage) -> list[Delivery]:
-        attempt = int(message.raw.get("Attributes", {}).get("ApproximateReceiveCount", 1))
+        system = message.raw.get("Attributes", {})
+        attempt = int(system.get("ApproximateReceiveCount", 1))
+        sent = system.get("SentTimestamp")  # milliseconds since the epoch, by SQS's clock
+        sent_at = datetime.fromtimestamp(int(sent) / 1000, UTC) if sent and str(sent).isdigit() else None
         return unwrap(self.envelope, message_id=message.id, body=message.raw["Body"].encode("utf-8"),
-                      headers=message.headers(), attempt=attempt)
+                      headers=message.headers(), attempt=attempt, sent_at=sent_at)
 
     async def _settle(self, message: HeldMessage, deliveries: list[Delivery], results: list[Result]) -> None:
         """One settlement per SQS message: every record of an S3 message must be settled before the

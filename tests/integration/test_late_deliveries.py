@@ -101,3 +101,56 @@ async def test_a_single_transaction_handler_meets_the_tombstone_too(database_url
         again = await source.deliver(id="swept-2", body=b"x")
     assert (again.outcome, again.reason) == (Outcome.DEAD_LETTERED, "arrived_after_retention")
     assert runs == ["x"]
+
+
+@pytest.mark.rabbitmq
+@pytest.mark.postgres
+async def test_an_amqp_message_is_aged_by_its_timestamp(pg_database: str) -> None:
+    """The AMQP ``timestamp`` property is the send time: a message published long before the
+    retention window is parked, one published now is processed."""
+    import secrets
+
+    import aio_pika
+
+    from sources.rabbitmq import RabbitMQSource
+    from tests.integration.rabbit import AMQP_URL, delete_queues, wait_until
+
+    queue = f"ck-test-{secrets.token_hex(4)}"
+    app = ConsumerApp(make_settings(pg_database, inbox_retention_seconds=RETENTION))
+    source = RabbitMQSource(queue=queue, namespace="late", version=1, url=AMQP_URL, retry_delays=(0.2,))
+    runs: list[str] = []
+
+    @app.handler(source, name="late-amqp")
+    async def handle(ctx: Context) -> None:
+        runs.append(ctx.delivery.text())
+
+    try:
+        async with app.running():
+            connection = await aio_pika.connect(AMQP_URL)
+            async with connection:
+                channel = await connection.channel(publisher_confirms=True)
+                for message_id, age in (("amqp-old", RETENTION + 600), ("amqp-new", 5)):
+                    await channel.default_exchange.publish(aio_pika.Message(
+                        message_id.encode(), message_id=message_id,
+                        timestamp=datetime.now(UTC) - timedelta(seconds=age)), routing_key=queue)
+
+            async def settled() -> bool:
+                return runs == ["amqp-new"] and await app.dead_letters.count(reason="arrived_after_retention") == 1
+
+            await wait_until(settled, 15, "the old message parked and the new one processed")
+    finally:
+        await delete_queues(queue)
+
+
+def test_an_sns_notification_is_aged_by_its_own_timestamp() -> None:
+    import json
+
+    from sources.envelopes import unwrap
+
+    queued = datetime(2026, 1, 2, tzinfo=UTC)
+    body = json.dumps({"Type": "Notification", "MessageId": "m-1", "TopicArn": "arn:aws:sns:r:1:t",
+                       "Message": "{}", "Timestamp": "2026-01-01T10:00:00.000Z"}).encode()
+    [delivery] = unwrap("sns", message_id="sqs-1", body=body, headers={}, sent_at=queued)
+    assert delivery.sent_at == datetime(2026, 1, 1, 10, tzinfo=UTC)  # SNS's time, not the queue's
+    [plain] = unwrap("sqs", message_id="sqs-2", body=b"x", headers={}, sent_at=queued)
+    assert plain.sent_at == queued
