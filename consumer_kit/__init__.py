@@ -15,9 +15,11 @@ from consumer_kit.errors import (
     UnparseableDelivery,
 )
 from consumer_kit.keys import KeyDigester, OperationKey
+from consumer_kit.pipeline import Batch
 from consumer_kit.settings import Settings
 
 __all__ = [
+    "Batch",
     "ConfigurationError",
     "ConsumerApp",
     "ConsumerKitError",

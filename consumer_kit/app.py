@@ -19,7 +19,7 @@ from consumer_kit.coordinator.protocol import Coordinator, SessionRequest
 from consumer_kit.delivery import Delivery, Result, Source
 from consumer_kit.errors import ConfigurationError, InvalidKey
 from consumer_kit.keys import OperationKey
-from consumer_kit.pipeline import Handler, HandlerSpec, Pipeline
+from consumer_kit.pipeline import Batch, Handler, HandlerSpec, Pipeline
 from consumer_kit.relay import OutboxRelay, Publisher
 from consumer_kit.retry import RetryPolicy
 from consumer_kit.settings import Settings
@@ -100,6 +100,7 @@ class ConsumerApp:
         labels: list[str] | tuple[str, ...] = (),
         task: Callable[[Delivery], str] | str | None = None,
         driver: Literal["sqlalchemy", "asyncpg"] = "sqlalchemy",
+        batch: Batch | None = None,
     ) -> Callable[[H], H]:
         """Register the handler of ``source``.
 
@@ -108,12 +109,17 @@ class ConsumerApp:
         completes in one commit: faster, and only for handlers whose every effect is in ``ctx.db``.
         ``driver="asyncpg"`` (PostgreSQL) gives the handler ``ctx.connection``, the asyncpg connection
         inside the delivery's transaction, instead of ``ctx.db``: the same guarantee at asyncpg's speed.
+        ``batch=Batch(max_size=64, max_wait_ms=5)`` (with ``single_transaction=True``) gathers deliveries
+        that arrive together and runs them in one transaction (see :mod:`consumer_kit.pipeline.batch`).
         ``labels`` and ``task`` describe the coordinator session: a handler with either gets one
         (``ctx.session``), created under ``ctx.key.derive("session")``; one with neither runs without.
         """
         check_source(source)
         if any(spec.source is source for spec in self.specs):
             raise ConfigurationError(f"source {source.name!r} already has a handler; one settles each delivery")
+        if batch is not None and not single_transaction:
+            raise ConfigurationError("batch= needs single_transaction=True: a batch's deliveries commit in one "
+                                     "transaction, which only handlers whose every effect is in the database share")
         if driver not in ("sqlalchemy", "asyncpg"):
             raise ConfigurationError(f"driver must be 'sqlalchemy' or 'asyncpg', not {driver!r}")
         if single_transaction and (labels or task):
@@ -133,7 +139,7 @@ class ConsumerApp:
             self.specs.append(HandlerSpec(
                 func=func, source=source, consumer=name or func.__name__,
                 single_transaction=single_transaction, max_deliveries=max_deliveries,
-                labels=tuple(labels), task=task, driver=driver,
+                labels=tuple(labels), task=task, driver=driver, batch=batch,
             ))
             return func
 
@@ -294,6 +300,9 @@ class ConsumerApp:
                     task.cancel()  # the pipeline releases each lease on cancellation
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._drained.wait(), SETTLE_AFTER_CANCEL_SECONDS)
+        if self._pipeline is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._pipeline.close(), SETTLE_AFTER_CANCEL_SECONDS)
         for source in reversed(self._started):
             try:
                 await source.close()

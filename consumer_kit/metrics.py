@@ -33,6 +33,12 @@ LATE_DELIVERIES = Counter(
     "source and what LATE_DELIVERY_POLICY did with them (parked, processed).",
     ["source", "action"],
 )
+BATCH_SIZE = Histogram(
+    "consumer_kit_batch_size", "Deliveries run in one transaction by batched handlers.",
+    buckets=(1, 2, 4, 8, 16, 32, 48, 64),
+)
+BATCH_BISECTIONS = Counter(
+    "consumer_kit_batch_bisections_total", "Batches whose commit failed as a whole and were halved.")
 SWEPT = Counter("consumer_kit_swept_total", "Expired rows deleted by the sweeper.", ["table"])
 SWEEP_FAILURES = Counter("consumer_kit_sweeper_failures_total", "Sweeper runs that failed.", ["table"])
 HTTP_REJECTED = Counter(

@@ -33,6 +33,7 @@ from consumer_kit.coordinator.protocol import Coordinator, SessionsInTransaction
 from consumer_kit.delivery import Delivery, Outcome, Result, Settlement
 from consumer_kit.errors import InvalidKey, MissingStableId
 from consumer_kit.keys import KeyDigester
+from consumer_kit.pipeline.batch import Batch, BatchedPath
 from consumer_kit.pipeline.fate import Fate
 from consumer_kit.pipeline.leased import LeasedPath
 from consumer_kit.pipeline.single import SinglePath
@@ -51,7 +52,7 @@ from consumer_kit.settings import Settings
 from consumer_kit.store import DeadLetters, Inbox
 from consumer_kit.store.connections import Database
 
-__all__ = ["Handler", "HandlerSpec", "Pipeline", "format_exception", "redact", "session_request"]
+__all__ = ["Batch", "Handler", "HandlerSpec", "Pipeline", "format_exception", "redact", "session_request"]
 
 
 class Pipeline:
@@ -80,7 +81,12 @@ class Pipeline:
         step = coordinator.session_step(database) if isinstance(coordinator, SessionsInTransaction) else None
         self.leased = LeasedPath(self.stores, self.fate, coordinator, step)
         self.single = SinglePath(self.stores, self.fate)
+        self.batched = BatchedPath(self.stores, self.fate, self.single)
         self._metrics: dict[str, metrics.SourceMetrics] = {}
+
+    async def close(self) -> None:
+        """Finish the batches gathered or under way (the app calls this as it stops)."""
+        await self.batched.close()
 
     async def process(self, spec: HandlerSpec, delivery: Delivery) -> Result:
         """Decide one delivery's fate; never raises except on cancellation."""
@@ -121,6 +127,8 @@ class Pipeline:
                 late = await self.fate.late(work, f"sent {age:.0f} s ago, longer than INBOX_RETENTION_SECONDS")
                 if late is not None:
                     return late
+        if spec.batch is not None:
+            return await self.batched.run(work)
         if spec.single_transaction:
             return await self.single.run(work)
         return await self.leased.run(work)

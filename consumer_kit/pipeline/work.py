@@ -8,7 +8,7 @@ import logging
 import traceback
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -21,6 +21,9 @@ from consumer_kit.settings import Settings
 from consumer_kit.store import Claim, DeadLetters, Inbox, OutboxWriter
 from consumer_kit.store.connections import Database
 from consumer_kit.store.executor import Executor
+
+if TYPE_CHECKING:
+    from consumer_kit.pipeline.batch import Batch
 
 log = logging.getLogger("consumer_kit.pipeline")
 
@@ -39,6 +42,7 @@ class HandlerSpec:
     labels: tuple[str, ...] = ()
     task: Callable[[Delivery], str] | str | None = None
     driver: str = "sqlalchemy"  # or "asyncpg": the handler uses ctx.connection (PostgreSQL on asyncpg)
+    batch: Batch | None = None  # gather deliveries into one transaction (single_transaction only)
 
     @property
     def uses_db(self) -> bool:

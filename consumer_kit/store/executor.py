@@ -275,7 +275,13 @@ class AsyncpgExecutor(Executor):
                 except Exception as rollback_error:  # discarded below; the first error wins
                     raise exc from rollback_error
                 raise
-            await transaction.commit()
+            try:
+                await transaction.commit()
+            except Exception as exc:
+                # The server refused the commit (a deferred constraint, a serialization failure): it
+                # answered, and the transaction is over. Anything else leaves it in doubt.
+                settled = getattr(exc, "sqlstate", None) is not None and not driver.is_in_transaction()
+                raise
             settled = True
         finally:
             # Not settled: start, commit or rollback was interrupted (cancelled, or the connection

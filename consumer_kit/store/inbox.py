@@ -64,6 +64,16 @@ class Claim:
         return self.status is ClaimStatus.ACQUIRED
 
 
+@dataclass(frozen=True, slots=True)
+class BatchKey:
+    """One key of a batch's claim."""
+
+    digest: str
+    namespace: str
+    version: int
+    fingerprint: str
+
+
 _STATE_STATUS = {"completed": ClaimStatus.COMPLETED, "dead": ClaimStatus.DEAD}
 
 
@@ -177,6 +187,51 @@ class Inbox:
         row = await self.lookup(ex, consumer, [existing["key_digest"]])
         assert row is not None
         return verdict(row, fingerprint)
+
+    async def claim_batch(self, ex: Executor, consumer: str, keys: Sequence[BatchKey], *,
+                          outcome: str) -> list[Claim]:
+        """The single-transaction claim of many keys at once, inside ``ex``'s transaction: each new key
+        is written completed (PostgreSQL: in one statement); for the others, what holds them. The
+        keys' digests must be distinct. A key with a row an earlier failed attempt left started comes
+        back ``ACQUIRED`` with ``attempts`` 0: the caller takes it out of the batch (it has failed
+        before) rather than finishing it here."""
+        now = self.clock()
+        if self._pg:
+            inserted = {row["key_digest"] for row in await ex.fetch_all(sql.CLAIM_BATCH, {
+                "consumer": consumer, "key_digests": [k.digest for k in keys],
+                "namespaces": [k.namespace for k in keys], "versions": [k.version for k in keys],
+                "fingerprints": [k.fingerprint for k in keys], "outcome": outcome, "now": now,
+                "expires_at": now + self.retention, "tombstones": self.tombstones})}
+        else:  # SQLite: one statement a key, in the same transaction (one writer)
+            inserted = set()
+            for k in keys:
+                if await ex.execute(sql.INSERT_COMPLETED, {
+                        "consumer": consumer, "key_digest": k.digest, "namespace": k.namespace,
+                        "version": k.version, "fingerprint": k.fingerprint, "outcome": outcome, "now": now,
+                        "expires_at": now + self.retention, "tombstones": self.tombstones}) == 1:
+                    inserted.add(k.digest)
+        others = [k.digest for k in keys if k.digest not in inserted]
+        found: dict[str, Row] = {}
+        if others and self._pg:
+            found = {row["key_digest"]: row for row in await ex.fetch_all(
+                sql.LOOKUP_MANY, {"consumer": consumer, "key_digests": others})}
+        elif others:
+            for digest in others:
+                row = await ex.fetch_one(sql.LOOKUP, {"consumer": consumer, "key_digest": digest})
+                if row is not None:
+                    found[digest] = row
+        claims = []
+        for k in keys:
+            row = found.get(k.digest)
+            if k.digest in inserted:
+                claims.append(Claim(ClaimStatus.ACQUIRED, k.digest, 1))
+            elif row is None:  # not written and not there: its tombstone stopped it
+                claims.append(Claim(ClaimStatus.SWEPT, k.digest, 0))
+            elif claimable(row, k.fingerprint, now):
+                claims.append(Claim(ClaimStatus.ACQUIRED, k.digest, 0))
+            else:
+                claims.append(verdict(row, k.fingerprint))
+        return claims
 
     async def complete(self, ex: Executor, consumer: str, digest: str, token: str, *, outcome: str,
                        ending: Ending | None = None) -> bool:

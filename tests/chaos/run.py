@@ -218,7 +218,7 @@ def main() -> int:
     parser.add_argument("--messages", type=int, default=10_000)
     parser.add_argument("--kills", type=int, default=6)
     parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--paths", default="default,single,outbox")
+    parser.add_argument("--paths", default="default,single,batch,outbox")
     args = parser.parse_args()
     clean = True
     for number in range(1, args.runs + 1):

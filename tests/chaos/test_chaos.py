@@ -11,7 +11,7 @@ from tests.chaos.run import run
 pytestmark = [pytest.mark.rabbitmq, pytest.mark.postgres]
 
 
-@pytest.mark.parametrize("path", ["default", "single", "outbox"])
+@pytest.mark.parametrize("path", ["default", "single", "batch", "outbox"])
 async def test_kills_and_cuts_lose_and_double_nothing(path: str, tmp_path: Path) -> None:
     report = await run(path, messages=1500, kills=3, settle_seconds=240, log_dir=tmp_path)
     print(report.line())

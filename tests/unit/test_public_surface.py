@@ -13,7 +13,7 @@ import consumer_kit.testing
 
 def test_exported_members() -> None:
     assert consumer_kit.__all__ == [
-        "ConfigurationError", "ConsumerApp", "ConsumerKitError", "Context", "Delivery", "InvalidKey",
+        "Batch", "ConfigurationError", "ConsumerApp", "ConsumerKitError", "Context", "Delivery", "InvalidKey",
         "KeyDigester", "KeyedSource", "LeaseLost", "MissingStableId", "OperationKey", "Outcome", "Result",
         "RetryableError", "SchemaOutOfDate", "Settings", "Settlement", "Source", "TerminalError",
         "UnparseableDelivery",

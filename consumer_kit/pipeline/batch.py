@@ -1,0 +1,210 @@
+"""The batched path (``single_transaction=True, batch=Batch(...)``): many deliveries, one transaction.
+
+::
+
+    gather deliveries that arrive together (up to max_size, waiting at most max_wait_ms)
+    BEGIN; claim every key in one statement (written completed); each handler in turn; COMMIT
+      a key done, parked, held or another request's -> settled without running (Fate.not_acquired)
+      a handler raises       -> ROLLBACK; that delivery leaves the batch for the single-delivery path;
+                                the rest of the batch runs again
+      the commit fails whole -> ROLLBACK; the batch is halved and each half runs on its own, down to
+                                one delivery, which takes the single-delivery path
+    ACK each delivery (the source may settle many at once)
+
+A handler that failed once is known: its key takes the single-delivery path from then on (in process),
+where it is retried, counted and parked as any delivery is. So a poison message costs its neighbours
+one rollback and a second run, never a redelivery. A delivery's key that appears twice in one batch
+is run once; its twin waits for the batch and is then a duplicate.
+
+Why roll back and run again rather than a savepoint per delivery: a savepoint costs two round trips a
+delivery (SAVEPOINT, RELEASE), which with one statement per handler is most of what batching saves,
+and PostgreSQL slows down past 64 subtransactions in one transaction; a rollback costs only the
+batches that met a failure. Batches are at most 64 deliveries (:class:`Batch`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from consumer_kit import metrics
+from consumer_kit.delivery import Outcome, Result, Settlement
+from consumer_kit.pipeline.fate import Fate
+from consumer_kit.pipeline.work import Stores, Work, log, run_handler
+from consumer_kit.store.executor import Executor
+from consumer_kit.store.inbox import BatchKey, Claim, ClaimStatus
+
+if TYPE_CHECKING:
+    from consumer_kit.pipeline.single import SinglePath
+
+MAX_BATCH = 64
+"""The largest batch: PostgreSQL keeps 64 subtransactions per transaction in shared memory."""
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """How a handler's deliveries are gathered into one transaction: up to ``max_size`` (at most 64),
+    waiting at most ``max_wait_ms`` after the first for more to arrive."""
+
+    max_size: int = 64
+    max_wait_ms: float = 5.0
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.max_size <= MAX_BATCH:
+            raise ValueError(f"Batch.max_size must be between 1 and {MAX_BATCH}")
+        if self.max_wait_ms < 0:
+            raise ValueError("Batch.max_wait_ms cannot be negative")
+
+
+class _HandlerFailed(Exception):
+    def __init__(self, work: Work) -> None:
+        self.work = work
+
+
+class BatchedPath:
+    """Gathers the deliveries of each batched handler and runs them a batch a transaction."""
+
+    def __init__(self, stores: Stores, fate: Fate, single: SinglePath) -> None:
+        self.stores = stores
+        self.fate = fate
+        self.single = single
+        self._waiting: dict[str, list[tuple[Work, asyncio.Future[Result]]]] = {}
+        self._timers: dict[str, asyncio.TimerHandle] = {}
+        self._running: set[asyncio.Task[None]] = set()
+        # Keys that failed inside a batch (bounded: the oldest are forgotten first).
+        self._failed: collections.OrderedDict[str, None] = collections.OrderedDict()
+
+    async def run(self, work: Work) -> Result:
+        """Wait for this delivery's batch and return its settlement."""
+        spec = work.spec
+        if work.digests[0] in self._failed:
+            return await self.single.run(work)
+        batch = spec.batch
+        assert batch is not None
+        future: asyncio.Future[Result] = asyncio.get_running_loop().create_future()
+        waiting = self._waiting.setdefault(spec.consumer, [])
+        waiting.append((work, future))
+        if len(waiting) >= batch.max_size:
+            self._flush(spec.consumer)
+        elif len(waiting) == 1:
+            self._timers[spec.consumer] = asyncio.get_running_loop().call_later(
+                batch.max_wait_ms / 1000, self._flush, spec.consumer)
+        # Shielded: a caller that is cancelled (its channel closed) leaves the batch to finish; its
+        # delivery is then redelivered and found done.
+        return await asyncio.shield(future)
+
+    def _flush(self, consumer: str) -> None:
+        timer = self._timers.pop(consumer, None)
+        if timer is not None:
+            timer.cancel()
+        items = self._waiting.pop(consumer, [])
+        if items:
+            task = asyncio.ensure_future(self._settle(items))
+            self._running.add(task)
+            task.add_done_callback(self._running.discard)
+
+    async def close(self) -> None:
+        """Run what is gathered now, and wait for the batches under way (the app's shutdown)."""
+        for consumer in list(self._waiting):
+            self._flush(consumer)
+        if self._running:
+            await asyncio.gather(*self._running, return_exceptions=True)
+
+    async def _settle(self, items: list[tuple[Work, asyncio.Future[Result]]]) -> None:
+        futures = {id(work): future for work, future in items}
+        try:
+            async for work, result in self._batch([work for work, _ in items]):
+                future = futures.pop(id(work))
+                if not future.done():
+                    future.set_result(result)
+        except BaseException as exc:
+            for future in futures.values():
+                if not future.done():
+                    future.set_exception(exc if isinstance(exc, Exception) else asyncio.CancelledError())
+            if not isinstance(exc, Exception):
+                raise
+
+    async def _batch(self, works: list[Work]) -> AsyncIterator[tuple[Work, Result]]:
+        """Yield ``(work, result)`` for every delivery of a batch, once its fate is known."""
+        first: dict[str, Work] = {}
+        twins: list[Work] = []
+        for work in works:  # one run per key; its twins wait for the batch
+            if work.digests[0] in first:
+                twins.append(work)
+            else:
+                first[work.digests[0]] = work
+        metrics.BATCH_SIZE.observe(len(first))
+        after: list[Work] = []
+        async for item in self._transactions(list(first.values()), after):
+            yield item
+        for work in after + twins:  # out of the batch: the single-delivery path, one by one
+            yield work, await self.single.run(work)
+
+    async def _transactions(self, works: list[Work], after: list[Work]) -> AsyncIterator[tuple[Work, Result]]:
+        spec = works[0].spec
+        remaining = works
+        async with self.stores.database.connect(session=spec.uses_db) as ex:
+            while remaining:
+                try:
+                    ran, settled = await self._attempt(ex, remaining)
+                except _HandlerFailed as failed:  # rolled back: the rest runs again without it
+                    self._remember(failed.work)
+                    after.append(failed.work)
+                    remaining = [w for w in remaining if w is not failed.work]
+                    continue
+                except Exception as exc:
+                    if ex.discarded or len(remaining) == 1:
+                        log.warning("a batch of %d failed as a whole (%s); its deliveries go one by one",
+                                    len(remaining), type(exc).__name__)
+                        after.extend(remaining)
+                        return
+                    # The commit failed as a whole (a deadlock, a serialization failure, a deferred
+                    # constraint): halve the batch until the culprit stands alone.
+                    metrics.BATCH_BISECTIONS.inc()
+                    half = len(remaining) // 2
+                    for part in (remaining[:half], remaining[half:]):
+                        async for item in self._transactions(part, after):
+                            yield item
+                    return
+                for work in ran:
+                    work.log(logging.DEBUG, "delivery processed in a batch")
+                    yield work, Result(Outcome.PROCESSED, Settlement.ACK, key_digest=work.digest)
+                for work, claim in settled:
+                    if claim.status is ClaimStatus.ACQUIRED:  # failed before: not in a batch
+                        self._remember(work)
+                        after.append(work)
+                    else:
+                        yield work, await self.fate.not_acquired(work, claim, ex)
+                return
+
+    async def _attempt(self, ex: Executor, works: list[Work]) -> tuple[list[Work], list[tuple[Work, Claim]]]:
+        stores, spec = self.stores, works[0].spec
+        ran: list[Work] = []
+        settled: list[tuple[Work, Claim]] = []
+        async with ex.begin(deferred=True):
+            claims = await stores.inbox.claim_batch(
+                ex, spec.consumer,
+                [BatchKey(w.digests[0], w.key.namespace, w.key.version, w.fingerprint) for w in works],
+                outcome=Outcome.PROCESSED.value)
+            for work, claim in zip(works, claims, strict=True):
+                if claim.acquired and claim.attempts > 0:
+                    work.claim = claim
+                    ran.append(work)
+                else:
+                    settled.append((work, claim))
+            for work in ran:
+                try:
+                    await run_handler(stores, ex, work)
+                except Exception as exc:
+                    work.log(logging.INFO, f"handler failed in a batch ({type(exc).__name__}); it runs alone")
+                    raise _HandlerFailed(work) from exc
+        return ran, settled
+
+    def _remember(self, work: Work) -> None:
+        self._failed[work.digests[0]] = None
+        while len(self._failed) > 10_000:
+            self._failed.popitem(last=False)

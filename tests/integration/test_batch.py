@@ -1,0 +1,123 @@
+"""Batched deliveries: many deliveries a transaction, a poison one isolated, every effect once."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from prometheus_client import REGISTRY
+from sqlalchemy import text
+
+from consumer_kit import Batch, ConfigurationError, ConsumerApp, Context, Outcome, TerminalError
+from consumer_kit.testing import InMemorySource
+from tests.conftest import make_settings
+
+
+def build(url: str, *, max_size: int = 16, **overrides: object) -> tuple[ConsumerApp, InMemorySource, list[str]]:
+    app = ConsumerApp(make_settings(url, retry_attempts=2, **overrides))
+    source = InMemorySource(namespace="batched", version=1)
+    runs: list[str] = []
+    flaked: set[str] = set()
+
+    @app.handler(source, name="batched", single_transaction=True, batch=Batch(max_size=max_size, max_wait_ms=20))
+    async def handle(ctx: Context) -> None:
+        ticket = ctx.delivery.text()
+        runs.append(ticket)
+        await ctx.db.execute(text("INSERT INTO batch_effects (ticket) VALUES (:t)"), {"t": ticket})
+        ctx.outbox.publish("batched.out", ticket)
+        if ticket.startswith("poison"):
+            raise TerminalError("this one never works", reason="poison")
+        if ticket.startswith("flaky") and ticket not in flaked:
+            flaked.add(ticket)
+            raise ConnectionError("once")
+
+    return app, source, runs
+
+
+async def prepare(app: ConsumerApp) -> None:
+    async with app.engine.begin() as conn:
+        await conn.exec_driver_sql("DROP TABLE IF EXISTS batch_effects")
+        await conn.exec_driver_sql("CREATE TABLE batch_effects (ticket VARCHAR(40) NOT NULL)")
+
+
+async def effects(app: ConsumerApp, table: str = "batch_effects") -> dict[str, int]:
+    async with app.engine.connect() as conn:
+        rows = (await conn.exec_driver_sql(f"SELECT ticket, count(*) FROM {table} GROUP BY ticket")).all()
+    return {r[0]: int(r[1]) for r in rows}
+
+
+def batch_count() -> float:
+    return REGISTRY.get_sample_value("consumer_kit_batch_size_count") or 0.0
+
+
+async def test_poison_and_flaky_deliveries_do_not_fail_their_batch(database_url: str) -> None:
+    app, source, runs = build(database_url)
+    tickets = [f"good-{i}" for i in range(90)] + ["poison-1", "poison-2"] + [f"flaky-{i}" for i in range(3)]
+    batches = batch_count()
+    async with app.running():
+        await prepare(app)
+        results = await asyncio.gather(*(source.deliver(id=f"m-{t}", body=t) for t in tickets))
+        again = await asyncio.gather(*(source.deliver(id=f"m-{t}", body=t) for t in tickets[:20]))
+        seen = await effects(app)
+        parked = await app.dead_letters.list(reason="poison")
+        async with app.engine.connect() as conn:
+            outbox = (await conn.exec_driver_sql("SELECT count(*) FROM outbox")).scalar_one()
+    outcomes = dict(zip(tickets, (r.outcome for r in results), strict=True))
+    assert all(outcomes[t] is Outcome.PROCESSED for t in tickets if not t.startswith("poison"))
+    assert outcomes["poison-1"] is outcomes["poison-2"] is Outcome.DEAD_LETTERED
+    assert {p.body for p in parked} == {b"poison-1", b"poison-2"}
+    assert seen == {t: 1 for t in tickets if not t.startswith("poison")}  # each good effect once
+    assert outbox == len(seen)  # outbox rows commit with their effect, none for the poison
+    assert all(r.outcome is Outcome.DUPLICATE for r in again)
+    assert batch_count() - batches < len(tickets) / 2  # they really were batched
+    # A good delivery ran again only when a failing neighbour rolled its batch back: at most once more
+    # per failing delivery in its batch, never redelivered.
+    assert max(runs.count(t) for t in tickets if t.startswith("good")) <= 1 + 5
+
+
+async def test_a_key_twice_in_one_batch_runs_once(database_url: str) -> None:
+    app, source, runs = build(database_url)
+    async with app.running():
+        await prepare(app)
+        results = await asyncio.gather(*(source.deliver(id="m-same", body="same") for _ in range(5)))
+        seen = await effects(app)
+    assert sorted(r.outcome for r in results) == sorted([Outcome.PROCESSED] + [Outcome.DUPLICATE] * 4)
+    assert seen == {"same": 1} and runs == ["same"]
+
+
+@pytest.mark.postgres
+async def test_a_commit_that_fails_as_a_whole_is_halved_down_to_the_culprit(pg_database: str) -> None:
+    """Two deliveries of a batch break a deferred constraint together: only the commit fails, so the
+    batch is halved until each stands alone; all the others commit, and one of the pair too."""
+    app = ConsumerApp(make_settings(pg_database, retry_attempts=1, max_deliveries=1))
+    source = InMemorySource(namespace="deferred", version=1)
+
+    @app.handler(source, name="deferred", single_transaction=True, batch=Batch(max_size=8, max_wait_ms=50))
+    async def handle(ctx: Context) -> None:
+        ticket = ctx.delivery.text()
+        value = "clash" if ticket.startswith("clash") else ticket
+        await ctx.db.execute(text("INSERT INTO deferred_effects (value) VALUES (:v)"), {"v": value})
+
+    bisections = REGISTRY.get_sample_value("consumer_kit_batch_bisections_total") or 0.0
+    async with app.running():
+        async with app.engine.begin() as conn:
+            await conn.exec_driver_sql("DROP TABLE IF EXISTS deferred_effects")
+            await conn.exec_driver_sql("CREATE TABLE deferred_effects (value text, CONSTRAINT one_each UNIQUE (value)"
+                                       " DEFERRABLE INITIALLY DEFERRED)")
+        tickets = ["a", "b", "clash-1", "c", "d", "clash-2", "e", "f"]
+        results = await asyncio.gather(*(source.deliver(id=f"m-{t}", body=t) for t in tickets))
+        async with app.engine.connect() as conn:
+            values = sorted(r[0] for r in (await conn.exec_driver_sql("SELECT value FROM deferred_effects")).all())
+    outcomes = dict(zip(tickets, (r.outcome for r in results), strict=True))
+    assert values == ["a", "b", "c", "clash", "d", "e", "f"]
+    assert all(outcomes[t] is Outcome.PROCESSED for t in "abcdef")
+    assert sorted([outcomes["clash-1"], outcomes["clash-2"]]) == sorted([Outcome.PROCESSED, Outcome.DEAD_LETTERED])
+    assert (REGISTRY.get_sample_value("consumer_kit_batch_bisections_total") or 0.0) > bisections
+
+
+def test_a_batch_needs_a_single_transaction_handler() -> None:
+    app = ConsumerApp(make_settings("sqlite+aiosqlite:///:memory:"))
+    with pytest.raises(ConfigurationError, match="single_transaction"):
+        app.handler(InMemorySource(namespace="b", version=1), batch=Batch())
+    with pytest.raises(ValueError, match="between 1 and 64"):
+        Batch(max_size=65)
