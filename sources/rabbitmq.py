@@ -125,6 +125,7 @@ class RabbitMQSource(EnvelopedSource):
         self._consumer_tag: str | None = None
         self._dispatch: Dispatch | None = None
         self._in_flight: set[asyncio.Task[Any]] = set()
+        self._acks = _Acks()
 
     def retry_queue(self, delay: float) -> str:
         """The name of the retry queue for ``delay`` seconds."""
@@ -182,6 +183,7 @@ class RabbitMQSource(EnvelopedSource):
                 await channel.close()
 
     async def _on_message(self, message: AbstractIncomingMessage) -> None:
+        self._acks.received(message)
         # aio-pika cancels the callbacks of a channel that closes (a broker restart, a connection cut).
         # The delivery runs in a task of its own, shielded from that: it finishes and commits, its ack
         # is lost with the channel, and the redelivery is acknowledged as a duplicate, which is cheaper
@@ -208,23 +210,25 @@ class RabbitMQSource(EnvelopedSource):
 
     async def _settle(self, message: AbstractIncomingMessage, delivery: Delivery, result: Result) -> None:
         if result.settlement is Settlement.ACK:
-            await message.ack()
+            await self._acks.ack(message)
         elif result.settlement is Settlement.DEAD_LETTER:
             if not self.dead_letter:
+                self._acks.settled(message)
                 await message.reject(requeue=False)
                 return
             headers = {REASON_HEADER: result.reason or "dead_letter", SOURCE_QUEUE_HEADER: self.queue}
             await self._republish(message, self.dead_letter_queue, headers)
-            await message.ack()
+            await self._acks.ack(message)
         elif not self.retry_delays:
             # No retry queue: give the broker the message back after a short pause, so that a key
             # in progress elsewhere is not spun on at network speed.
             await asyncio.sleep(min(result.delay or 0.0, 1.0))
+            self._acks.settled(message)
             await message.nack(requeue=True)
         else:
             delay = self._retry_delay(delivery.attempt, result.delay)
             await self._republish(message, self.retry_queue(delay), {ATTEMPT_HEADER: delivery.attempt + 1})
-            await message.ack()
+            await self._acks.ack(message)
 
     def _retry_delay(self, attempt: int, wanted: float | None) -> float:
         """The configured delay for this retry: at least the pipeline's and at least this attempt's step."""
@@ -267,6 +271,90 @@ class RabbitMQSource(EnvelopedSource):
                 await connection.close()
         self._channel = self._queue = None
         self._dispatch = None
+
+
+class _Acks:
+    """Acknowledgements coalesced per channel. Deliveries that settle together (a batch) are acked
+    with one ``basic.ack(multiple=True)`` for the longest run of the channel's oldest unsettled
+    delivery tags that are all ready; any other is acked on its own at once, never waiting behind a
+    slow neighbour. A delivery that was not settled (cancelled: the broker takes it back when the
+    channel closes) stays in the run's way, so a multiple ack never covers it."""
+
+    def __init__(self) -> None:
+        # Per channel, the unsettled deliveries in the order the broker sent them (tags ascending).
+        self._unsettled: dict[int, dict[int, AbstractIncomingMessage]] = {}
+        self._ready: dict[tuple[int, int], asyncio.Future[None]] = {}
+        self._flushing = False
+
+    def received(self, message: AbstractIncomingMessage) -> None:
+        """A delivery arrived: it is unsettled until it is acked, rejected or nacked."""
+        if message.delivery_tag is None:
+            return
+        channel_id = id(message.channel)
+        if channel_id not in self._unsettled:  # a new channel (a reconnect): the closed ones' deliveries are gone
+            for old in [c for c, held in self._unsettled.items() if next(iter(held.values())).channel.is_closed]:
+                del self._unsettled[old]
+        self._unsettled.setdefault(channel_id, {})[message.delivery_tag] = message
+
+    def settled(self, message: AbstractIncomingMessage) -> None:
+        """The delivery is settled otherwise (rejected, nacked) and leaves the runs."""
+        channel = self._unsettled.get(id(message.channel))
+        if channel is not None and message.delivery_tag is not None:
+            channel.pop(message.delivery_tag, None)
+
+    async def ack(self, message: AbstractIncomingMessage) -> None:
+        """Ack ``message``, together with the others that are ready at the same moment."""
+        tag = message.delivery_tag
+        channel = self._unsettled.get(id(message.channel))
+        if tag is None or channel is None or tag not in channel:
+            await message.ack()
+            return
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._ready[(id(message.channel), tag)] = future
+        if not self._flushing:
+            self._flushing = True
+            asyncio.get_running_loop().call_soon(self._flush)
+        await future
+
+    def _flush(self) -> None:
+        self._flushing = False
+        by_channel: dict[int, list[int]] = {}
+        for channel_id, tag in self._ready:
+            by_channel.setdefault(channel_id, []).append(tag)
+        for channel_id, tags in by_channel.items():
+            unsettled = self._unsettled.get(channel_id, {})
+            ready = set(tags)
+            run: list[int] = []
+            for tag in unsettled:  # oldest first
+                if tag not in ready:
+                    break
+                run.append(tag)
+            if len(run) > 1:
+                self._send(channel_id, unsettled[run[-1]], run, multiple=True)
+                ready.difference_update(run)
+            for tag in ready:
+                self._send(channel_id, unsettled[tag], [tag], multiple=False)
+
+    def _send(self, channel_id: int, message: AbstractIncomingMessage, tags: list[int], *, multiple: bool) -> None:
+        unsettled = self._unsettled.get(channel_id, {})
+        futures = [self._ready.pop((channel_id, tag)) for tag in tags]
+        for tag in tags:
+            unsettled.pop(tag, None)
+        if not unsettled:
+            self._unsettled.pop(channel_id, None)
+        sending = asyncio.ensure_future(message.ack(multiple=multiple))
+
+        def done(task: asyncio.Task[None]) -> None:
+            error = task.exception() if not task.cancelled() else asyncio.CancelledError()
+            for future in futures:
+                if future.done():
+                    continue
+                if error is None:
+                    future.set_result(None)
+                else:
+                    future.set_exception(error)
+
+        sending.add_done_callback(done)
 
 
 def to_delivery(message: AbstractIncomingMessage) -> Delivery:

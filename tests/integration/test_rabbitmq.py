@@ -218,3 +218,42 @@ async def test_a_connection_cut_lets_running_deliveries_finish(pg: str, queue: s
 
         await wait_until(settled, 20, "the effect committed once and the queue empty")
     assert runs == ["order-cut-1"]  # the redelivery did not run the handler again
+
+
+async def test_batches_of_64_isolate_poison_and_flaky_messages(pg: str, queue: str) -> None:
+    """10,000 messages in batches of 64, 1% poison (TerminalError) and 1% flaky (fails once): every
+    good message's effect once, every poison one parked with its reason, and no other redelivered."""
+    from consumer_kit import Batch, TerminalError
+
+    app = ConsumerApp(make_settings(pg, db_pool_size=4))
+    source = RabbitMQSource(queue=queue, namespace="orders", version=1, url=AMQP_URL, name=f"{queue}-batch",
+                            retry_delays=(0.2,), prefetch=256)
+    redelivered: list[str] = []
+    flaked: set[str] = set()
+
+    @app.handler(source, name="rabbit-batch", single_transaction=True, batch=Batch(max_size=64, max_wait_ms=5))
+    async def handle(ctx: Context) -> None:
+        body = ctx.delivery.text()
+        if ctx.delivery.attempt > 1:
+            redelivered.append(body)
+        await ctx.db.execute(effects.insert().values(message=body, worker="batch"))
+        if body.endswith("-poison"):
+            raise TerminalError("poison", reason="poison")
+        if body.endswith("-flaky") and body not in flaked:
+            flaked.add(body)
+            raise ConnectionError("once")
+
+    def body(i: int) -> str:
+        return f"order-{i}" + ("-poison" if i % 100 == 7 else "-flaky" if i % 100 == 13 else "")
+
+    async with app.running():
+        await publish(queue, [(f"b-{i}", body(i).encode()) for i in range(10_000)])
+
+        async def settled() -> bool:
+            return await depth(queue) == 0 and (await counts(app))[1] == 9_900
+
+        await wait_until(settled, 120, "every good message recorded and the queue empty")
+        assert await counts(app) == (9_900, 9_900)  # each good effect once; poison ones rolled back
+        assert await app.dead_letters.count(reason="poison") == 100
+    assert [m.headers.get(REASON_HEADER) for m in await drain(f"{queue}.dlq")] == ["poison"] * 100
+    assert redelivered == []  # isolated in process: no neighbour went back to the broker
