@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from consumer_kit import Outcome, Settings
+from consumer_kit import ConfigurationError, Outcome, Settings
 from sources.schedules import ManualClock, Schedule, ScheduleDelivery, ScheduleStatus
 from tests.conftest import make_settings
 from tests.integration.schedules import (
@@ -77,6 +77,10 @@ async def test_each_tick_runs_once_keyed_by_its_intended_instant(settings: Setti
         # The same tick fired again (by hand, by another replica, by a CronJob) is a duplicate.
         again = await schedule.fire(datetime(2026, 3, 2, 12, 1, tzinfo=UTC))
         assert again.result.outcome is Outcome.DUPLICATE
+        with pytest.raises(ConfigurationError, match="not due yet"):
+            await schedule.fire(datetime(2026, 3, 2, 12, 3, tzinfo=UTC))
+        with pytest.raises(ConfigurationError, match="is not a tick"):
+            await schedule.fire(datetime(2026, 3, 2, 12, 1, 30, tzinfo=UTC))
         status = await schedule.status()
         assert status.last_fired is not None and status.last_fired.state == "done"
         assert status.last_fired.tick == datetime(2026, 3, 2, 12, 2, tzinfo=UTC)

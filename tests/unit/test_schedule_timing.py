@@ -5,7 +5,7 @@ registration, the keys, and the catch-up decisions."""
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
-from itertools import islice
+from itertools import islice, pairwise
 
 import pytest
 from hypothesis import given, settings
@@ -93,7 +93,7 @@ def test_every_ignores_daylight_saving(timezone: str) -> None:
     for start in ("2026-03-07T12:00", "2026-03-28T12:00", "2026-04-04T00:00", "2026-10-03T00:00",
                   "2026-10-24T12:00", "2026-10-31T12:00"):
         ticks = list(islice(timing.after(utc(start)), 48))
-        assert all(b - a == timedelta(hours=1) for a, b in zip(ticks, ticks[1:], strict=False))
+        assert all(b - a == timedelta(hours=1) for a, b in pairwise(ticks))
 
 
 def test_every_is_anchored_at_midnight_2000_in_its_zone() -> None:
@@ -119,7 +119,7 @@ def test_ticks_ascend_and_every_replica_agrees_wherever_it_starts(
     timing = CronTiming(expression, zone(timezone))
     origin = start.replace(tzinfo=UTC)
     ticks = list(islice(timing.after(origin), 24))
-    assert all(a < b for a, b in zip(ticks, ticks[1:], strict=False))
+    assert all(a < b for a, b in pairwise(ticks))
     assert ticks[0] > origin
     for before, tick in zip([origin, *ticks], ticks, strict=False):
         # A replica whose mark is anywhere between two ticks sees the same next tick.
