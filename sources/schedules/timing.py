@@ -29,8 +29,6 @@ from croniter import CroniterBadDateError, CroniterError, croniter
 
 from consumer_kit.errors import ConfigurationError
 
-# Transitions are found within this distance of an instant; no zone's offset moves twice that fast.
-_NEAR = timedelta(hours=6)
 # How far ahead a schedule must fire at least once to be accepted (leap days repeat every 4 to 8 years).
 NEVER_FIRES_AFTER_YEARS = 30
 # croniter's random fields (``R``) would give every replica different ticks.
@@ -118,13 +116,15 @@ class CronTiming:
 
     def after(self, instant: datetime) -> Iterator[datetime]:
         instant = instant.astimezone(UTC)
-        start = instant
-        if _offset(instant - _NEAR, self.zone) != _offset(instant + _NEAR, self.zone):
-            # A transition nearby: a repeated hour's second pass may hold ticks after ``instant`` whose
-            # wall-clock times come before its own, so walk from well before it.
-            start = instant - _NEAR
-        walls = croniter(self.expression, start.astimezone(self.zone).replace(tzinfo=None) - timedelta(seconds=1),
-                         ret_type=datetime)
+        local = instant.astimezone(self.zone)
+        start = local.replace(tzinfo=None)
+        happens, early, late = self._instants(start)
+        if happens is _Wall.TWICE and local.fold == 0:
+            # ``instant`` is in a repeated hour's first pass: the second pass of the wall-clock times
+            # before its own, which come after it, must be walked too.
+            assert late is not None
+            start -= late - early
+        walls = croniter(self.expression, start - timedelta(seconds=1), ret_type=datetime)
         last: datetime | None = None
         second_pass: list[datetime] = []  # interval jobs: a repeated hour's ticks, run again after it
         while True:
@@ -209,7 +209,3 @@ def check_fires(timing: Timing, now: datetime) -> None:
         tick = None
     if tick is None or tick - now > timedelta(days=366 * NEVER_FIRES_AFTER_YEARS):
         raise ConfigurationError(f"{timing.describe()} never fires (no tick within {NEVER_FIRES_AFTER_YEARS} years)")
-
-
-def _offset(instant: datetime, zone: ZoneInfo) -> timedelta | None:
-    return instant.astimezone(zone).utcoffset()
