@@ -6,8 +6,9 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from consumer_kit.keys import KeyDigester, OperationKey
-from consumer_kit.store import create_engine, inbox
+from consumer_kit.store import create_engine, inbox, upgrade
 from sources.schedules.timing import is_tick, key_id
 from tests.acceptance import schedule_app
 from tests.conftest import TEST_HMAC_KEY, truncate_all
@@ -52,6 +53,12 @@ async def database(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncItera
 
 
 async def init(module: str, env: dict[str, str]) -> None:
+    """The schema at head (what `consumer-kit db upgrade` does) and the module's own tables."""
+    engine = create_engine(env["DATABASE_URL"])
+    try:
+        await upgrade(engine)
+    finally:
+        await engine.dispose()
     process = await asyncio.create_subprocess_exec(sys.executable, "-m", module, "init", cwd=ROOT, env=env)
     assert await asyncio.wait_for(process.wait(), 60) == 0
 
@@ -82,6 +89,14 @@ async def test_schedule_run_started_twice_at_once_runs_the_tick_once(database: s
     assert await rows(database, select(effects.c.tick).where(effects.c.schedule == "report")) == [(tick,)]
 
 
+async def until(check: Callable[[], Awaitable[bool]], what: str, seconds: float = 60) -> None:
+    """Wait for ``check()`` to hold; fail the test after ``seconds``."""
+    deadline = asyncio.get_running_loop().time() + seconds
+    while not await check():
+        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.05)
+
+
 async def held(database: str, name: str, tick: str) -> bool:
     """Whether a process has claimed the tick (its inbox row is started)."""
     digest = KeyDigester(TEST_HMAC_KEY.encode()).digest(OperationKey(name, 1, tick))
@@ -105,9 +120,7 @@ async def test_exit_codes_say_failed_parked_and_in_progress(tmp_path: Path) -> N
     other = key_id(datetime.fromisoformat(tick.replace("Z", "+00:00")) - timedelta(hours=1))
     fire = ("schedule", "run", "tests.acceptance.schedule_app:app", "report", "--at", other)
     slow = asyncio.ensure_future(run(*fire, env=env))
-    while not await held(database, "report", other):
-        assert not slow.done(), await slow
-        await asyncio.sleep(0.05)
+    await until(lambda: held(database, "report", other), "the slow run to hold the tick")
     code, answer, _ = await run(*fire, "--wait", "0.2", env=env)
     assert (code, answer and answer["status"]) == (6, "in_progress")
     assert (await slow)[0] == 0
@@ -162,3 +175,21 @@ async def test_the_nightly_report_example(tmp_path: Path) -> None:
     assert answer["schedule"] == "nightly-report" and answer["timing"] == "cron 0 2 * * * Europe/Berlin"
     assert answer["last_fired"] == key_id(latest) and answer["last_state"] == "done"
     assert answer["pending"] == [] and answer["skipped"] == {}
+
+
+async def test_a_run_stopped_by_sigterm_gives_its_lease_back(tmp_path: Path) -> None:
+    database = f"sqlite+aiosqlite:///{tmp_path}/cli.db"
+    await init("tests.acceptance.schedule_app", environment(database))
+    tick = an_hour_ago()
+    fire = (CLI, "--log-level", "WARNING", "schedule", "run", "tests.acceptance.schedule_app:app", "report",
+            "--at", tick)
+    process = await asyncio.create_subprocess_exec(*fire, cwd=ROOT, env=environment(database, REPORT_SECONDS="60"),
+                                                   stdout=asyncio.subprocess.PIPE)
+    await until(lambda: held(database, "report", tick), "the run to hold the tick")
+    process.send_signal(signal.SIGTERM)  # a CronJob's deadline: the pod is stopped mid-run
+    out, _ = await asyncio.wait_for(process.communicate(), 30)
+    assert process.returncode == 4 and json.loads(out)["reason"] == "interrupted"
+    # The lease (30 s) was given back: the next invocation runs the tick at once instead of waiting.
+    code, answer, _ = await run(*fire[1:], "--wait", "0", env=environment(database))
+    assert (code, answer and answer["status"]) == (0, "processed")
+    assert await rows(database, select(schedule_app.effects.c.tick)) == [(tick,)]

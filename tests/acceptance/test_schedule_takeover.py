@@ -18,7 +18,7 @@ from sqlalchemy import select
 from consumer_kit.keys import KeyDigester, OperationKey
 from consumer_kit.store import inbox
 from tests.acceptance import schedule_app
-from tests.acceptance.test_schedule_cli import ROOT, environment, init, rows
+from tests.acceptance.test_schedule_cli import ROOT, environment, init, rows, until
 from tests.conftest import TEST_HMAC_KEY
 
 pytestmark = pytest.mark.postgres
@@ -29,13 +29,6 @@ def start_worker(env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
                "run", "tests.acceptance.schedule_app:app"]
     with log.open("ab") as output:
         return subprocess.Popen(command, cwd=ROOT, env=env, stdout=output, stderr=output)
-
-
-async def wait_for(check: object, seconds: float, what: str) -> None:
-    deadline = asyncio.get_running_loop().time() + seconds
-    while not await check():  # type: ignore[operator]
-        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.1)
 
 
 async def test_a_replica_killed_mid_tick_is_taken_over_after_its_lease(pg_database: str, tmp_path: Path) -> None:
@@ -54,7 +47,7 @@ async def test_a_replica_killed_mid_tick_is_taken_over_after_its_lease(pg_databa
         async def mid_tick() -> bool:
             return bool(await rows(pg_database, select(started.c.tick)))
 
-        await wait_for(mid_tick, 60, "the first replica to start a tick")
+        await until(mid_tick, "the first replica to start a tick")
         survivor = start_worker(env, log)
         await asyncio.sleep(1.5)  # the survivor is up, finding the doomed one's ticks held
         doomed.send_signal(signal.SIGKILL)
@@ -65,7 +58,7 @@ async def test_a_replica_killed_mid_tick_is_taken_over_after_its_lease(pg_databa
             done = {str(tick) for tick, _ in await effect_rows()}
             return held <= done and len(done) >= len(held) + 3
 
-        await wait_for(all_taken_over, 60, "the survivor to take over every tick the killed replica held")
+        await until(all_taken_over, "the survivor to take over every tick the killed replica held")
     finally:
         if doomed.poll() is None:
             doomed.kill()

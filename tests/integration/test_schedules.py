@@ -320,3 +320,58 @@ async def test_a_new_version_is_a_new_schedule(settings: Settings) -> None:
     async with app.running(sources=()):
         assert await effect_ticks(app) == ["2026-03-02T12:01:00Z", "2026-03-02T12:07:00Z"]  # no v2 backfill
         assert (await schedule.status()).skipped == {}
+
+
+async def test_a_tick_recorded_but_never_dispatched_runs_when_a_replica_next_looks(settings: Settings) -> None:
+    clock = ManualClock(START)
+    schedule = Schedule("orphan", every=MINUTE, clock=clock)
+    app = replica(settings, schedule)
+    async with app.running(sources=()):  # a replica that recorded a tick to run, then died
+        await reset_effects(app)
+        async with app.database.connect() as ex:
+            now = START + timedelta(minutes=5)
+            await schedule.store.create(ex, schedule.sid, decided_until=now, now=now)
+            assert await schedule.store.record(ex, schedule.sid, START + timedelta(minutes=4, seconds=30),
+                                               state="pending", reason=None, now=now)
+    clock.set(START + timedelta(minutes=5))
+    app = replica(settings, schedule)
+    async with app.running():
+        await wait_until(lambda: caught_up(schedule, clock))
+        assert await effect_ticks(app) == ["2026-03-02T12:05:00Z"]
+
+
+async def test_forbid_does_not_count_a_tick_whose_settlement_was_lost(settings: Settings) -> None:
+    clock = ManualClock(START)
+    schedule = Schedule("exclusive", every=MINUTE, overlap="forbid", clock=clock)
+    app = replica(settings, schedule)
+    async with app.running(sources=()):
+        await reset_effects(app)
+        # 12:01 was recorded and run through the inbox, and its process died before recording that.
+        tick = START + timedelta(seconds=30)
+        async with app.database.connect() as ex:
+            await schedule.store.create(ex, schedule.sid, decided_until=tick, now=tick)
+            await schedule.store.record(ex, schedule.sid, tick, state="pending", reason=None, now=tick)
+        result = await app.pipeline.process(app.specs[0], schedule.delivery(tick, tick))
+        assert result.outcome is Outcome.PROCESSED
+    clock.set(START + timedelta(seconds=30) + MINUTE)
+    app = replica(settings, schedule)
+    async with app.running():
+        await wait_until(lambda: caught_up(schedule, clock))
+        assert await effect_ticks(app) == ["2026-03-02T12:01:00Z", "2026-03-02T12:02:00Z"]  # 12:02 not skipped
+        status = await schedule.status()
+        assert status.skipped == {} and status.last_fired is not None and status.last_fired.state == "done"
+
+
+async def test_decided_ticks_are_swept_after_the_retention_pending_ones_never(settings: Settings) -> None:
+    schedule = Schedule("swept", every=MINUTE, clock=ManualClock(START))
+    app = replica(settings, schedule)
+    async with app.running(sources=()):
+        store, sid = schedule.store, schedule.sid
+        async with app.database.connect() as ex:
+            for minute, state in enumerate(["done", "skipped", "parked", "pending", "done"]):
+                await store.record(ex, sid, START + timedelta(minutes=minute), state=state,
+                                   reason="coalesced" if state == "skipped" else None, now=START)
+        assert await store.sweep(sid, before=START + timedelta(minutes=4), batch_size=2) == 3
+        async with app.database.connect() as ex:
+            left = [await store.get(ex, sid, START + timedelta(minutes=m)) for m in range(5)]
+        assert [record.state if record else None for record in left] == [None, None, None, "pending", "done"]
