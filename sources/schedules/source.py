@@ -8,6 +8,7 @@ import json
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from typing import TypeVar
 
 from consumer_kit.delivery import Delivery, Dispatch, Outcome, Result
 from consumer_kit.errors import ConfigurationError, InvalidKey, MissingStableId
@@ -20,6 +21,7 @@ from sources.schedules.catchup import CatchUp, Overlap
 from sources.schedules.clock import DatabaseClock, ScheduleClock
 from sources.schedules.runner import Runner
 
+T = TypeVar("T")
 IN_PROGRESS_POLL_SECONDS = 0.25  # fire(): how often to look again at a tick another process holds
 
 
@@ -130,30 +132,28 @@ class Schedule:
     @property
     def sid(self) -> ScheduleId:
         """Which schedule, in the store."""
-        if self._sid is None:
-            raise RuntimeError(f"schedule {self.name!r} is not registered with a started app")
-        return self._sid
+        return self._bound(self._sid)
 
     @property
     def store(self) -> ScheduleStore:
         """The schedule's state in the store."""
-        if self._database is None:
-            raise RuntimeError(f"schedule {self.name!r} is not registered with a started app")
-        return ScheduleStore(self._database)
+        return ScheduleStore(self._bound(self._database))
 
     @property
     def clock(self) -> ScheduleClock:
         """The clock due-ness is judged by."""
-        if self._clock is None:
-            raise RuntimeError(f"schedule {self.name!r} is not registered with a started app")
-        return self._clock
+        return self._bound(self._clock)
 
     @property
     def settings(self) -> Settings:
         """The app's settings."""
-        if self._settings is None:
+        return self._bound(self._settings)
+
+    def _bound(self, value: T | None) -> T:
+        """``value``, which the app hands over when it starts (:meth:`use_store`)."""
+        if value is None:
             raise RuntimeError(f"schedule {self.name!r} is not registered with a started app")
-        return self._settings
+        return value
 
     async def start(self, dispatch: Dispatch, settings: Settings) -> None:
         """Begin firing: this replica's loop (:class:`~sources.schedules.runner.Runner`)."""

@@ -170,70 +170,64 @@ async def test_ticks_later_than_the_misfire_grace_are_skipped(settings: Settings
     assert (await status_of(settings, schedule)).skipped == {"misfire": 1, "coalesced": 2}
 
 
+class SlowFirst:
+    """A ``before`` hook that remembers each tick started, and holds the first until released."""
+
+    def __init__(self) -> None:
+        self.release = asyncio.Event()
+        self.started: list[str] = []
+
+    async def __call__(self, delivery: ScheduleDelivery) -> None:
+        self.started.append(str(delivery.id))
+        if len(self.started) == 1:
+            await self.release.wait()
+
+    async def running(self, count: int) -> bool:
+        return len(self.started) == count
+
+
 async def test_overlap_forbid_skips_a_tick_while_the_previous_one_runs(settings: Settings) -> None:
     clock = ManualClock(START)
-    release = asyncio.Event()
-    started: list[str] = []
-
-    async def slow_first(delivery: ScheduleDelivery) -> None:
-        started.append(str(delivery.id))
-        if len(started) == 1:
-            await release.wait()
-
+    slow_first = SlowFirst()
     schedule = Schedule("reindex", every=MINUTE, overlap="forbid", clock=clock)
     app = replica(settings, schedule, before=slow_first)
     async with app.running():
         await reset_effects(app)
         await wait_until(lambda: caught_up(schedule, clock))
         clock.advance(MINUTE)  # 12:01:30: the 12:01 tick starts and hangs
-
-        async def first_started() -> bool:
-            return len(started) == 1
-
-        await wait_until(first_started)
+        await wait_until(lambda: slow_first.running(1))
         clock.advance(MINUTE)  # 12:02 comes due while 12:01 runs: skipped
 
         async def overlap_recorded() -> bool:
             return (await schedule.status()).skipped == {"overlap": 1}
 
         await wait_until(overlap_recorded)
-        release.set()
+        slow_first.release.set()
         await wait_until(lambda: caught_up(schedule, clock))
         clock.advance(MINUTE)  # 12:03 runs: nothing else is running
         await wait_until(lambda: caught_up(schedule, clock))
         assert await effect_ticks(app) == ["2026-03-02T12:01:00Z", "2026-03-02T12:03:00Z"]
-        assert started == ["2026-03-02T12:01:00Z", "2026-03-02T12:03:00Z"]
+        assert slow_first.started == ["2026-03-02T12:01:00Z", "2026-03-02T12:03:00Z"]
 
 
 async def test_overlap_allow_starts_a_tick_on_time_while_the_previous_one_runs(settings: Settings) -> None:
     clock = ManualClock(START)
-    release = asyncio.Event()
-    started: list[str] = []
-
-    async def slow_first(delivery: ScheduleDelivery) -> None:
-        started.append(str(delivery.id))
-        if len(started) == 1:
-            await release.wait()
-
+    slow_first = SlowFirst()
     schedule = Schedule("refresh", every=MINUTE, clock=clock)
     app = replica(settings, schedule, before=slow_first)
     async with app.running():
         await reset_effects(app)
         await wait_until(lambda: caught_up(schedule, clock))
         clock.advance(MINUTE)
-
-        async def running(count: int) -> bool:
-            return len(started) == count
-
-        await wait_until(lambda: running(1))
+        await wait_until(lambda: slow_first.running(1))
         clock.advance(MINUTE)
-        await wait_until(lambda: running(2))  # 12:02 starts although 12:01 has not finished
+        await wait_until(lambda: slow_first.running(2))  # 12:02 starts although 12:01 has not finished
 
         async def second_done() -> bool:
             return await effect_ticks(app) == ["2026-03-02T12:02:00Z"]
 
         await wait_until(second_done)  # ... and commits first
-        release.set()
+        slow_first.release.set()
         await wait_until(lambda: caught_up(schedule, clock))
         assert sorted(await effect_ticks(app)) == ["2026-03-02T12:01:00Z", "2026-03-02T12:02:00Z"]
 
