@@ -60,7 +60,7 @@ class ManualClock:
     for several in-process replicas that must share one notion of now."""
 
     def __init__(self, start: datetime | None = None) -> None:
-        self._now = (start or datetime(2026, 1, 1, tzinfo=UTC)).astimezone(UTC)
+        self._now = _aware(start or datetime(2026, 1, 1, tzinfo=UTC))
         self._sleepers: list[asyncio.Future[None]] = []
 
     @property
@@ -74,9 +74,10 @@ class ManualClock:
 
     def set(self, instant: datetime) -> None:
         """Move the clock to ``instant`` (forward only) and wake whoever waits for it."""
+        instant = _aware(instant)
         if instant < self._now:
             raise ValueError("a ManualClock moves forward only")
-        self._now = instant.astimezone(UTC)
+        self._now = instant
         sleepers, self._sleepers = self._sleepers, []
         for sleeper in sleepers:
             if not sleeper.done():
@@ -93,3 +94,9 @@ class ManualClock:
             sleeper = asyncio.get_running_loop().create_future()
             self._sleepers.append(sleeper)
             await sleeper
+
+
+def _aware(instant: datetime) -> datetime:
+    if instant.tzinfo is None:
+        raise ValueError("a ManualClock needs aware datetimes (tzinfo=UTC): a naive one would be read as local time")
+    return instant.astimezone(UTC)

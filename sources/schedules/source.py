@@ -181,6 +181,8 @@ class Schedule:
         runner = self._runner if dispatch is None else Runner(self, dispatch, self.settings)
         if runner is None:
             raise RuntimeError(f"schedule {self.name!r} is not running: give dispatch=")
+        if at is not None and at.tzinfo is None:
+            raise ConfigurationError(f"the tick to fire must be an aware datetime, not {at.isoformat()} (naive)")
         now = await self.clock.now()
         tick = timing.latest(self.timing, now) if at is None else at.astimezone(UTC)
         if tick is None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
+from itertools import pairwise
 from typing import Any
 
 import pytest
@@ -369,3 +370,26 @@ async def test_decided_ticks_are_swept_after_the_retention_pending_ones_never(se
         async with app.database.connect() as ex:
             left = [await store.get(ex, sid, START + timedelta(minutes=m)) for m in range(5)]
         assert [record.state if record else None for record in left] == [None, None, None, "pending", "done"]
+
+
+async def test_the_database_clock_end_to_end(database_url: str) -> None:
+    """The default clock, the database's, on each driver: ticks every second, each once, none skipped."""
+    schedule = Schedule("realtime", every=timedelta(seconds=1), catch_up="all")
+    app = replica(make_settings(database_url), schedule)
+    async with app.running():
+        await reset_effects(app)
+
+        async def two() -> bool:
+            return len(await effect_ticks(app)) >= 2
+
+        await wait_until(two, what="two ticks on the database's clock")
+        before = await schedule.clock.now()
+        assert before.tzinfo is not None and before.utcoffset() == timedelta(0)
+        waited = asyncio.get_running_loop().time()
+        await schedule.clock.sleep_until(before + timedelta(seconds=0.3))
+        assert asyncio.get_running_loop().time() - waited >= 0.25  # never wakes (much) before the instant
+        assert await schedule.clock.now() >= before + timedelta(seconds=0.3)
+        ticks = sorted(datetime.fromisoformat(tick.replace("Z", "+00:00")) for tick in await effect_ticks(app))
+    assert all(b - a == timedelta(seconds=1) for a, b in pairwise(ticks))
+    with pytest.raises(ValueError, match="aware"):
+        ManualClock(datetime(2026, 1, 1))
