@@ -233,59 +233,41 @@ async def test_overlap_allow_starts_a_tick_on_time_while_the_previous_one_runs(s
         assert sorted(await effect_ticks(app)) == ["2026-03-02T12:01:00Z", "2026-03-02T12:02:00Z"]
 
 
-async def test_a_failing_tick_is_retried_with_the_same_key_then_parked(settings: Settings) -> None:
+@pytest.mark.parametrize("failures", [2, 3])
+async def test_a_failing_tick_is_retried_with_the_same_key_then_parked(settings: Settings, failures: int) -> None:
+    """MAX_DELIVERIES=3, one attempt each: two failures then a success commit once; three park the tick."""
     clock = ManualClock(START)
     attempts: list[str] = []
 
     async def fail(delivery: ScheduleDelivery) -> None:
         attempts.append(str(delivery.id))
-        raise RuntimeError("the report service is down")
+        if len(attempts) <= failures:
+            raise RuntimeError("the report service is down")
 
-    schedule = Schedule("ledger", every=timedelta(hours=1), clock=clock)
+    schedule = Schedule(f"ledger-{failures}", every=timedelta(hours=1), clock=clock)
     app = replica(settings, schedule, before=fail)
     async with app.running():
         await reset_effects(app)
         await wait_until(lambda: caught_up(schedule, clock))
         clock.set(datetime(2026, 3, 2, 13, 0, 1, tzinfo=UTC))
-
         for count in (1, 2):  # RETRY_LATER after each failure: the tick waits retry_later_seconds
             await failed_and_deferred(schedule, clock, attempts, count)
             clock.advance(timedelta(seconds=2))
         await wait_until(lambda: caught_up(schedule, clock))
-        assert attempts == ["2026-03-02T13:00:00Z"] * 3  # MAX_DELIVERIES=3, one attempt each
-        status = await schedule.status()
-        assert status.last_fired is not None and (status.last_fired.state, status.last_fired.reason) == (
-            "parked", "retries_exhausted")
-        letters = await app.dead_letters.list(consumer="scheduled-job")
-        assert [letter.reason for letter in letters] == ["retries_exhausted"]
-        assert letters[0].body == b'{"schedule":"ledger","version":1,"scheduled_for":"2026-03-02T13:00:00Z"}'
-        clock.advance(timedelta(hours=1))  # the next tick is a new key: it is tried afresh
-        await failed_and_deferred(schedule, clock, attempts, 4)
-        assert attempts[-1] == "2026-03-02T14:00:00Z"
-
-
-async def test_a_tick_that_fails_then_passes_commits_once(settings: Settings) -> None:
-    clock = ManualClock(START)
-    attempts: list[str] = []
-
-    async def flaky(delivery: ScheduleDelivery) -> None:
-        attempts.append(str(delivery.id))
-        if len(attempts) < 3:
-            raise RuntimeError("flaky")
-
-    schedule = Schedule("flaky", every=timedelta(hours=1), clock=clock)
-    app = replica(settings, schedule, before=flaky)
-    async with app.running():
-        await reset_effects(app)
-        await wait_until(lambda: caught_up(schedule, clock))
-        clock.set(datetime(2026, 3, 2, 13, 0, 1, tzinfo=UTC))
-        for count in (1, 2):
-            await failed_and_deferred(schedule, clock, attempts, count)
-            clock.advance(timedelta(seconds=2))
-        await wait_until(lambda: caught_up(schedule, clock))
-        assert await effect_ticks(app) == ["2026-03-02T13:00:00Z"]
         assert attempts == ["2026-03-02T13:00:00Z"] * 3
-        assert (await schedule.status()).last_fired.state == "done"  # type: ignore[union-attr]
+        last = (await schedule.status()).last_fired
+        letters = await app.dead_letters.list(consumer="scheduled-job")
+        if failures == 2:
+            assert await effect_ticks(app) == ["2026-03-02T13:00:00Z"]
+            assert last is not None and last.state == "done" and not letters
+            return
+        assert await effect_ticks(app) == []
+        assert last is not None and (last.state, last.reason) == ("parked", "retries_exhausted")
+        assert [letter.reason for letter in letters] == ["retries_exhausted"]
+        assert letters[0].body == b'{"schedule":"ledger-3","version":1,"scheduled_for":"2026-03-02T13:00:00Z"}'
+        clock.advance(timedelta(hours=1))  # the next tick is a new key: tried afresh, and it passes
+        await wait_until(lambda: caught_up(schedule, clock))
+        assert await effect_ticks(app) == ["2026-03-02T14:00:00Z"]
 
 
 async def test_fixed_time_job_across_both_berlin_transitions_through_the_app(settings: Settings) -> None:

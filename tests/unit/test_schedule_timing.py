@@ -205,3 +205,17 @@ def test_misfire_grace_turns_a_late_run_into_a_misfire_only() -> None:
     decided = decide(window, now=window[-1] + timedelta(seconds=40), complete=True, catch_up="all",
                      max_catch_up=2, misfire_grace_seconds=90)
     assert [d.reason for d in decided] == ["too_many", "misfire", None]
+
+
+def test_public_names() -> None:
+    import inspect
+
+    import sources.schedules
+
+    assert sources.schedules.__all__ == [
+        "CatchUp", "DatabaseClock", "Fired", "ManualClock", "Overlap", "Schedule", "ScheduleClock",
+        "ScheduleDelivery", "ScheduleStatus", "SkipReason"]
+    for name in sources.schedules.__all__:
+        member = getattr(sources.schedules, name)
+        if inspect.isclass(member):
+            assert member.__doc__, f"sources.schedules.{name} has no docstring"
