@@ -8,13 +8,14 @@ import asyncio
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from itertools import pairwise
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from consumer_kit import ConfigurationError, Outcome, Settings
 from sources.schedules import ManualClock, Schedule, ScheduleDelivery, ScheduleStatus
-from tests.conftest import make_settings
+from tests.conftest import make_settings, truncate_all
 from tests.integration.schedules import (
     START,
     caught_up,
@@ -29,10 +30,16 @@ from tests.integration.schedules import (
 MINUTE = timedelta(minutes=1)
 
 
-@pytest.fixture
-def settings(database_url: str) -> Settings:
-    return make_settings(database_url, retry_attempts=1, retry_later_seconds=1, max_deliveries=3,
-                         schedule_poll_seconds=0.2)
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+async def settings(request: pytest.FixtureRequest, tmp_path: Path) -> Settings:
+    """SQLite, and PostgreSQL on asyncpg (the schedule store's statements are the same on psycopg,
+    which runs them as SQLite does, through SQLAlchemy; the database clock is tested on all three)."""
+    if request.param == "sqlite":
+        url = f"sqlite+aiosqlite:///{tmp_path}/schedules.db"
+    else:
+        url = request.getfixturevalue("pg_url")
+        await truncate_all(url)
+    return make_settings(url, retry_attempts=1, retry_later_seconds=1, max_deliveries=3, schedule_poll_seconds=0.2)
 
 
 async def run_for(settings: Settings, make: Callable[[], Schedule], clock: ManualClock,
