@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Collection
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import httpx
@@ -16,7 +16,7 @@ from consumer_kit import metrics
 from consumer_kit.coordinator.embedded import EmbeddedCoordinator
 from consumer_kit.coordinator.http import HttpCoordinator
 from consumer_kit.coordinator.protocol import Coordinator, SessionRequest
-from consumer_kit.delivery import Delivery, Result, Source
+from consumer_kit.delivery import Delivery, Result, Source, StoreSource
 from consumer_kit.errors import ConfigurationError, InvalidKey
 from consumer_kit.keys import OperationKey
 from consumer_kit.pipeline import Batch, Handler, HandlerSpec, Pipeline
@@ -198,8 +198,11 @@ class ConsumerApp:
         """Parked deliveries."""
         return self.pipeline.dead_letters
 
-    async def start(self) -> None:
-        """Open the database (migrating SQLite, checking PostgreSQL), then start every source."""
+    async def start(self, *, sources: Collection[Source] | None = None) -> None:
+        """Open the database (migrating SQLite, checking PostgreSQL), then start every source, or only
+        those in ``sources`` (``consumer-kit schedule run`` starts none: it fires one tick by hand).
+        Sources that keep state in the store (:class:`~consumer_kit.delivery.StoreSource`) are handed
+        the database first, started or not."""
         if self._pipeline is not None:
             raise RuntimeError("the app is already started")
         settings = self.settings
@@ -240,10 +243,14 @@ class ConsumerApp:
             self._relay_stop = asyncio.Event()
             relay = OutboxRelay(self.outbox, self._publisher, settings)
             self._relay = asyncio.create_task(relay.run(self._relay_stop), name="consumer-kit-relay")
+        for spec in self.specs:
+            if isinstance(spec.source, StoreSource):
+                spec.source.use_store(database, consumer=spec.consumer, settings=settings)
         try:
             for spec in self.specs:
-                await spec.source.start(self._dispatcher(spec), settings)
-                self._started.append(spec.source)
+                if sources is None or any(spec.source is chosen for chosen in sources):
+                    await spec.source.start(self._dispatcher(spec), settings)
+                    self._started.append(spec.source)
         except BaseException:
             await self.stop(grace=0)
             raise
@@ -334,9 +341,9 @@ class ConsumerApp:
         self._pipeline = None
 
     @contextlib.asynccontextmanager
-    async def running(self) -> AsyncIterator[ConsumerApp]:
-        """Start on entry; stop gracefully on exit."""
-        await self.start()
+    async def running(self, *, sources: Collection[Source] | None = None) -> AsyncIterator[ConsumerApp]:
+        """Start on entry (every source, or those in ``sources``); stop gracefully on exit."""
+        await self.start(sources=sources)
         try:
             yield self
         finally:

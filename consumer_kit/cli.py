@@ -10,6 +10,11 @@
     consumer-kit demo               the retry-safety recipe end to end on embedded defaults
     consumer-kit coordinator serve  serve the coordinator over HTTP (COORDINATOR_TOKENS, DATABASE_URL)
     consumer-kit outbox relay       publish committed outbox rows (RABBITMQ_URL, or --app's publisher)
+    consumer-kit schedule run module:app NAME [--at ISO]
+                                    fire a schedule's tick due now (or the one at ISO) once, for an
+                                    external cron; the exit code says what happened (SCHEDULE_EXIT_CODES)
+    consumer-kit schedule list module:app
+                                    each schedule's last and next fire and skipped ticks (JSON lines)
 
 Configuration comes from :class:`~consumer_kit.settings.Settings` (the environment) only.
 """
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import gc
 import importlib
 import json
@@ -26,15 +32,21 @@ import os
 import signal
 import sys
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
-from typing import Any, TypeVar
+from datetime import datetime
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from consumer_kit.app import ConsumerApp
+from consumer_kit.delivery import Outcome, Result, Settlement
 from consumer_kit.errors import ConfigurationError
 from consumer_kit.extras import missing_extra
 from consumer_kit.http import has_http_sources
 from consumer_kit.settings import Settings
 from consumer_kit.signals import StopRequested, StopSignals, run_app
 from consumer_kit.store import Database, DeadLetters, create_engine, ensure_schema, schema_revisions, upgrade
+
+if TYPE_CHECKING:
+    from consumer_kit.pipeline import HandlerSpec
+    from sources.schedules import Schedule
 
 Command = Callable[[argparse.Namespace], int]
 T = TypeVar("T")
@@ -174,6 +186,96 @@ async def _relay(app_target: str | None) -> int:
     return 0
 
 
+SCHEDULE_EXIT_CODES = {"processed": 0, "duplicate": 3, "failed": 4, "parked": 5, "in_progress": 6}
+"""``consumer-kit schedule run``'s exit codes: processed (the handler ran and committed), duplicate (the
+tick was done before: nothing ran), failed (it will be retried: run the command again), parked
+(dead-lettered, or parked before), in_progress (another process still held it when the wait ran out).
+2 is a usage or configuration error (an unknown schedule, an instant that is not a tick)."""
+
+
+def _schedule(app: ConsumerApp, name: str) -> tuple[HandlerSpec, Schedule]:
+    from sources.schedules import Schedule
+
+    for spec in app.specs:
+        if isinstance(spec.source, Schedule) and spec.source.name == name:
+            return spec, spec.source
+    names = sorted(spec.source.name for spec in app.specs if isinstance(spec.source, Schedule))
+    raise ConfigurationError(f"the app has no schedule {name!r} (it has: {', '.join(names) or 'none'})")
+
+
+def _instant(value: str) -> datetime:
+    try:
+        instant = datetime.fromisoformat(value.replace("Z", "+00:00").replace("z", "+00:00"))
+    except ValueError:
+        raise ConfigurationError(f"--at {value!r} is not an ISO 8601 instant") from None
+    if instant.tzinfo is None:
+        raise ConfigurationError(f"--at {value!r} has no time zone: give one (2026-03-08T07:00:00Z)")
+    return instant
+
+
+def _settled_as(result: Result) -> str:
+    if result.outcome is Outcome.PROCESSED:
+        return "processed"
+    if result.outcome is Outcome.DUPLICATE:
+        return "parked" if result.reason == "already_dead_lettered" else "duplicate"
+    if result.outcome is Outcome.IN_PROGRESS:
+        return "in_progress"
+    return "parked" if result.settlement is Settlement.DEAD_LETTER else "failed"
+
+
+async def _schedule_run(args: argparse.Namespace) -> int:
+    from sources.schedules.timing import key_id
+
+    app = load_app(args.app)
+    spec, schedule = _schedule(app, args.name)
+    at = _instant(args.at) if args.at else None
+    # SIGTERM (a CronJob's deadline, a deleted pod) cancels the run: its transaction rolls back and the
+    # lease is given back, so the next invocation runs the tick at once.
+    task = asyncio.current_task()
+    assert task is not None
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, task.cancel)
+    try:
+        async with app.running(sources=()):
+            fired = await schedule.fire(at, dispatch=functools.partial(app.pipeline.process, spec),
+                                        wait_seconds=args.wait)
+    except asyncio.CancelledError:
+        print(json.dumps({"schedule": args.name, "status": "failed", "reason": "interrupted"}))
+        return SCHEDULE_EXIT_CODES["failed"]
+    status = _settled_as(fired.result)
+    print(json.dumps({"schedule": args.name, "scheduled_for": key_id(fired.tick), "status": status,
+                      "outcome": fired.result.outcome.value, "reason": fired.result.reason,
+                      "key_digest": fired.result.key_digest}))
+    return SCHEDULE_EXIT_CODES[status]
+
+
+async def _schedule_list(args: argparse.Namespace) -> int:
+    from sources.schedules import Schedule
+    from sources.schedules.timing import key_id
+
+    app = load_app(args.app)
+
+    def instant(value: datetime | None) -> str | None:
+        return None if value is None else key_id(value)
+
+    async with app.running(sources=()):
+        for spec in app.specs:
+            if not isinstance(spec.source, Schedule):
+                continue
+            status = await spec.source.status(recent=args.recent)
+            last = status.last_fired
+            print(json.dumps({
+                "schedule": status.name, "version": status.version, "consumer": spec.consumer,
+                "timing": status.timing, "catch_up": spec.source.catch_up, "overlap": spec.source.overlap,
+                "last_fired": instant(last.tick) if last else None, "last_state": last.state if last else None,
+                "last_reason": last.reason if last else None, "next_fire": instant(status.next_fire),
+                "pending": [instant(p.tick) for p in status.pending], "skipped": status.skipped,
+                "recent_skips": [{"scheduled_for": instant(s.tick), "reason": s.reason} for s in status.recent_skips],
+            }))
+    return 0
+
+
 def run_async(main: Coroutine[Any, Any, T]) -> T:
     """Run a long-lived service coroutine (a worker, the relay, the coordinator) on the fastest event
     loop installed: the worker's own CPU is mostly spent in the loop and the drivers under it."""
@@ -238,6 +340,24 @@ def build_parser() -> argparse.ArgumentParser:
     relay = outbox_commands.add_parser("relay", help="publish committed outbox rows until SIGTERM")
     relay.add_argument("--app", default=None, help="module:app whose settings and publisher to use")
     relay.set_defaults(func=lambda a: run_async(_relay(a.app)))
+
+    schedule = commands.add_parser("schedule", help="scheduled jobs (sources.schedules)")
+    schedule_commands = schedule.add_subparsers(dest="schedule_command", required=True)
+    fire = schedule_commands.add_parser(
+        "run", help="fire one tick through the inbox (for Kubernetes CronJobs, systemd timers)",
+        description="Fire the tick due now (the newest at or before the database's clock), or the one at "
+        "--at, through the same inbox as the app's workers: two overlapping invocations run it once. Exit "
+        "code: 0 processed, 3 duplicate, 4 failed (run again), 5 parked, 6 still in progress elsewhere.")
+    fire.add_argument("app", help="module:app")
+    fire.add_argument("name", help="the schedule's name")
+    fire.add_argument("--at", help="the tick's instant, ISO 8601 with a zone (2026-03-08T07:00:00Z)")
+    fire.add_argument("--wait", type=float, default=None,
+                      help="seconds to wait for a tick another process is running (default: two leases)")
+    fire.set_defaults(func=lambda a: asyncio.run(_schedule_run(a)))
+    shown = schedule_commands.add_parser("list", help="each schedule's last and next fire and skipped ticks")
+    shown.add_argument("app", help="module:app")
+    shown.add_argument("--recent", type=int, default=10, help="how many skipped and pending ticks to show")
+    shown.set_defaults(func=lambda a: asyncio.run(_schedule_list(a)))
     return parser
 
 

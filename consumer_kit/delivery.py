@@ -16,6 +16,7 @@ from consumer_kit.keys import OperationKey
 
 if TYPE_CHECKING:
     from consumer_kit.settings import Settings
+    from consumer_kit.store.connections import Database
 
 
 class Outcome(enum.StrEnum):
@@ -126,6 +127,20 @@ class Source(Protocol):
 
     async def close(self) -> None:
         """Release connections, after in-flight deliveries have settled."""
+        ...
+
+
+@runtime_checkable
+class StoreSource(Protocol):
+    """A source that keeps state of its own in the store (a schedule: how far its ticks are decided).
+
+    When the app starts, before any source starts, it calls :meth:`use_store` on each such source of
+    its handlers: the store's database, the consumer (the inbox scope of the source's handler) and the
+    app's settings. A source never opens a database of its own.
+    """
+
+    def use_store(self, database: Database, *, consumer: str, settings: Settings) -> None:
+        """Take the store's database, scoped to ``consumer``."""
         ...
 
 

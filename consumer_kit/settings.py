@@ -91,6 +91,11 @@ class Settings(BaseSettings):
         100, gt=0, description="Events one CloudEvents batch may hold; a larger batch is parked whole, once."
     )
 
+    schedule_poll_seconds: float = Field(
+        10.0, gt=0, description="How often a schedule looks at its state even when no tick is due: the "
+        "longest before a replica takes over a tick whose process died (after its lease) or sees a fresh clock.",
+    )
+
     rabbitmq_url: SecretStr | None = Field(
         None, description="AMQP URL of the broker (it carries credentials, so it has no default)."
     )

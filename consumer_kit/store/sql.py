@@ -30,8 +30,8 @@ Kind = Literal["datetime", "json", "bool", "bytes"]
 TYPES: dict[str, Kind] = {
     **dict.fromkeys(("now", "locked_until", "expires_at", "created_at", "updated_at", "available_at",
                      "published_at", "ended_at", "keep_from", "since", "oldest", "receipt_expires_at",
-                     "resource_expires_at", "inbox_locked_until", "swept_at", "tombstone_expires_at"),
-                    "datetime"),
+                     "resource_expires_at", "inbox_locked_until", "swept_at", "tombstone_expires_at", "tick",
+                     "decided_until", "decided_from", "not_before", "before"), "datetime"),
     **dict.fromkeys(("result", "headers", "response", "inbox_result"), "json"),
     **dict.fromkeys(("closed", "generated", "tombstones", "tombstoned"), "bool"),
     **dict.fromkeys(("body",), "bytes"),
@@ -299,6 +299,52 @@ LIST_DEAD_LETTERS = Statement(
     "SELECT id, consumer, source, namespace, version, key_digest, reason, detail, body, headers, attempts,"
     f" created_at FROM dead_letters WHERE {_DEAD_LETTER_FILTERS} ORDER BY created_at DESC LIMIT :limit")
 COUNT_DEAD_LETTERS = Statement(f"SELECT count(*) AS parked FROM dead_letters WHERE {_DEAD_LETTER_FILTERS}")
+
+# --- schedules (sources.schedules) -------------------------------------------------------------------
+
+_SCHEDULE = "consumer = :consumer AND schedule = :schedule AND version = :version"
+# The database's clock, which every replica reads to judge what is due (their own clocks may disagree).
+DATABASE_NOW = Statement("SELECT clock_timestamp() AS now", "SELECT strftime('%Y-%m-%d %H:%M:%f', 'now') AS now")
+GET_SCHEDULE = Statement(f"SELECT decided_until FROM schedules WHERE {_SCHEDULE}")
+INSERT_SCHEDULE = Statement(
+    "INSERT INTO schedules (consumer, schedule, version, decided_until, created_at, updated_at)"
+    " VALUES (:consumer, :schedule, :version, :decided_until, :now, :now) ON CONFLICT DO NOTHING")
+# Compare-and-set: of the replicas that decided the same ticks, exactly one moves the mark and records them.
+ADVANCE_SCHEDULE = Statement(
+    f"UPDATE schedules SET decided_until = :decided_until, updated_at = :now WHERE {_SCHEDULE}"
+    " AND decided_until = :decided_from AND decided_until < :decided_until")
+INSERT_TICK = Statement(
+    "INSERT INTO schedule_ticks (consumer, schedule, version, tick, state, reason, created_at, updated_at)"
+    " VALUES (:consumer, :schedule, :version, :tick, :state, :reason, :now, :now) ON CONFLICT DO NOTHING")
+PENDING_TICKS = Statement(
+    f"SELECT tick, not_before FROM schedule_ticks WHERE {_SCHEDULE} AND state = 'pending' ORDER BY tick LIMIT :limit")
+SETTLE_TICK = Statement(
+    "UPDATE schedule_ticks SET state = :state, reason = :reason, not_before = NULL, updated_at = :now"
+    f" WHERE {_SCHEDULE} AND tick = :tick AND state = 'pending'")
+DEFER_TICK = Statement(
+    f"UPDATE schedule_ticks SET not_before = :not_before, updated_at = :now WHERE {_SCHEDULE} AND tick = :tick"
+    " AND state = 'pending'")
+# An explicit run (``consumer-kit schedule run``) of a tick recorded as skipped.
+UNSKIP_TICK = Statement(
+    "UPDATE schedule_ticks SET state = 'pending', reason = NULL, updated_at = :now"
+    f" WHERE {_SCHEDULE} AND tick = :tick AND state = 'skipped'")
+GET_TICK = Statement(f"SELECT tick, state, reason FROM schedule_ticks WHERE {_SCHEDULE} AND tick = :tick")
+LAST_RUN = Statement(
+    f"SELECT tick, state, reason FROM schedule_ticks WHERE {_SCHEDULE} AND state <> 'skipped'"
+    " ORDER BY tick DESC LIMIT 1")
+RECENT_SKIPS = Statement(
+    f"SELECT tick, reason FROM schedule_ticks WHERE {_SCHEDULE} AND state = 'skipped' ORDER BY tick DESC"
+    " LIMIT :limit")
+SKIP_COUNTS = Statement(
+    f"SELECT reason, count(*) AS skipped FROM schedule_ticks WHERE {_SCHEDULE} AND state = 'skipped'"
+    " GROUP BY reason")
+# Decided ticks older than the retention, oldest first, in short batches; a pending tick is never deleted.
+_OLD_TICKS = (f"FROM schedule_ticks WHERE {_SCHEDULE} AND state <> 'pending' AND tick < :before"
+              " ORDER BY tick LIMIT :limit")
+SWEEP_TICKS = Statement(
+    f"DELETE FROM schedule_ticks WHERE ctid IN (SELECT ctid {_OLD_TICKS} FOR UPDATE SKIP LOCKED)",
+    f"DELETE FROM schedule_ticks WHERE rowid IN (SELECT rowid {_OLD_TICKS})",
+)
 
 # --- the embedded coordinator's receipts, resources and scope counts ----------------------------------
 # A creation is one transaction: the receipt (ON CONFLICT DO NOTHING on its primary key: a concurrent

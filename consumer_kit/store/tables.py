@@ -170,3 +170,33 @@ idempotency_scopes = Table(
     Column("live", Integer, nullable=False),
     Column("closed", Boolean, nullable=False),  # counted exactly under all stripe locks while set
 )
+
+# Schedules (sources.schedules): per (consumer, schedule, version), how far due ticks have been decided,
+# and one row per tick decided: to run (pending until its delivery settles) or skipped, with why.
+
+schedules = Table(
+    "schedules",
+    metadata,
+    Column("consumer", String(200), primary_key=True),
+    Column("schedule", String(255), primary_key=True),
+    Column("version", Integer, primary_key=True),
+    # Every tick at or before this instant has been decided (run or skipped); later ones are not yet.
+    Column("decided_until", UTCDateTime(), nullable=False),
+    Column("created_at", UTCDateTime(), nullable=False),
+    Column("updated_at", UTCDateTime(), nullable=False),
+)
+
+schedule_ticks = Table(
+    "schedule_ticks",
+    metadata,
+    Column("consumer", String(200), primary_key=True),
+    Column("schedule", String(255), primary_key=True),
+    Column("version", Integer, primary_key=True),
+    Column("tick", UTCDateTime(), primary_key=True),  # the intended fire instant
+    Column("state", String(16), nullable=False),  # pending | done | parked | skipped
+    Column("reason", String(64), nullable=True),  # skipped: coalesced|misfire|too_many|overlap; parked: why
+    Column("not_before", UTCDateTime(), nullable=True),  # pending after a failed attempt: retry from then
+    Column("created_at", UTCDateTime(), nullable=False),
+    Column("updated_at", UTCDateTime(), nullable=False),
+    Index("ix_schedule_ticks_state", "consumer", "schedule", "version", "state", "tick"),
+)
