@@ -281,36 +281,36 @@ class _Acks:
     channel closes) stays in the run's way, so a multiple ack never covers it."""
 
     def __init__(self) -> None:
-        # Per channel, the unsettled deliveries in the order the broker sent them (tags ascending).
-        self._unsettled: dict[int, dict[int, AbstractIncomingMessage]] = {}
-        self._ready: dict[tuple[int, int], asyncio.Future[None]] = {}
+        # Per channel (aiormq's, by identity), the unsettled deliveries in the order the broker sent
+        # them (delivery tags ascending).
+        self._unsettled: dict[object, dict[int, AbstractIncomingMessage]] = {}
+        self._ready: dict[object, dict[int, tuple[AbstractIncomingMessage, asyncio.Future[None]]]] = {}
         self._flushing = False
 
     def received(self, message: AbstractIncomingMessage) -> None:
         """A delivery arrived: it is unsettled until it is acked, rejected or nacked."""
-        if message.delivery_tag is None:
+        tag, channel = message.delivery_tag, _channel(message)
+        if tag is None or channel is None:
             return
-        channel_id = id(message.channel)
-        if channel_id not in self._unsettled:  # a new channel (a reconnect): the closed ones' deliveries are gone
-            for old in [c for c, held in self._unsettled.items() if next(iter(held.values())).channel.is_closed]:
+        if channel not in self._unsettled:  # a new channel (a reconnect): forget the closed ones
+            for old in [c for c in self._unsettled if getattr(c, "is_closed", True)]:
                 del self._unsettled[old]
-        self._unsettled.setdefault(channel_id, {})[message.delivery_tag] = message
+        self._unsettled.setdefault(channel, {})[tag] = message
 
     def settled(self, message: AbstractIncomingMessage) -> None:
         """The delivery is settled otherwise (rejected, nacked) and leaves the runs."""
-        channel = self._unsettled.get(id(message.channel))
-        if channel is not None and message.delivery_tag is not None:
-            channel.pop(message.delivery_tag, None)
+        unsettled = self._unsettled.get(_channel(message))
+        if unsettled is not None and message.delivery_tag is not None:
+            unsettled.pop(message.delivery_tag, None)
 
     async def ack(self, message: AbstractIncomingMessage) -> None:
         """Ack ``message``, together with the others that are ready at the same moment."""
-        tag = message.delivery_tag
-        channel = self._unsettled.get(id(message.channel))
-        if tag is None or channel is None or tag not in channel:
+        tag, channel = message.delivery_tag, _channel(message)
+        if tag is None or channel is None or tag not in self._unsettled.get(channel, {}):
             await message.ack()
             return
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._ready[(id(message.channel), tag)] = future
+        self._ready.setdefault(channel, {})[tag] = (message, future)
         if not self._flushing:
             self._flushing = True
             asyncio.get_running_loop().call_soon(self._flush)
@@ -318,43 +318,42 @@ class _Acks:
 
     def _flush(self) -> None:
         self._flushing = False
-        by_channel: dict[int, list[int]] = {}
-        for channel_id, tag in self._ready:
-            by_channel.setdefault(channel_id, []).append(tag)
-        for channel_id, tags in by_channel.items():
-            unsettled = self._unsettled.get(channel_id, {})
-            ready = set(tags)
+        ready_by_channel, self._ready = self._ready, {}
+        for channel, ready in ready_by_channel.items():
+            unsettled = self._unsettled.get(channel, {})
             run: list[int] = []
             for tag in unsettled:  # oldest first
                 if tag not in ready:
                     break
                 run.append(tag)
             if len(run) > 1:
-                self._send(channel_id, unsettled[run[-1]], run, multiple=True)
-                ready.difference_update(run)
-            for tag in ready:
-                self._send(channel_id, unsettled[tag], [tag], multiple=False)
+                last = run[-1]
+                self._send(ready[last][0], [ready.pop(tag)[1] for tag in run], multiple=True)
+            for tag in run:
+                unsettled.pop(tag, None)
+            for tag, (message, future) in ready.items():
+                unsettled.pop(tag, None)
+                self._send(message, [future], multiple=False)
 
-    def _send(self, channel_id: int, message: AbstractIncomingMessage, tags: list[int], *, multiple: bool) -> None:
-        unsettled = self._unsettled.get(channel_id, {})
-        futures = [self._ready.pop((channel_id, tag)) for tag in tags]
-        for tag in tags:
-            unsettled.pop(tag, None)
-        if not unsettled:
-            self._unsettled.pop(channel_id, None)
-        sending = asyncio.ensure_future(message.ack(multiple=multiple))
-
-        def done(task: asyncio.Task[None]) -> None:
-            error = task.exception() if not task.cancelled() else asyncio.CancelledError()
+    @staticmethod
+    def _send(message: AbstractIncomingMessage, futures: list[asyncio.Future[None]], *, multiple: bool) -> None:
+        def done(sending: asyncio.Future[None]) -> None:
+            error = sending.exception() if not sending.cancelled() else asyncio.CancelledError()
             for future in futures:
-                if future.done():
-                    continue
-                if error is None:
-                    future.set_result(None)
-                else:
-                    future.set_exception(error)
+                if not future.done():
+                    if error is None:
+                        future.set_result(None)
+                    else:
+                        future.set_exception(error)
 
-        sending.add_done_callback(done)
+        asyncio.ensure_future(message.ack(multiple=multiple)).add_done_callback(done)
+
+
+def _channel(message: AbstractIncomingMessage) -> object | None:
+    try:
+        return message.channel
+    except Exception:  # aio-pika raises for a message whose channel is closed: nothing to ack on
+        return None
 
 
 def to_delivery(message: AbstractIncomingMessage) -> Delivery:
