@@ -1,22 +1,30 @@
-"""Dead letters: deliveries parked with their reason and raw body, for an operator to inspect."""
+"""Dead letters ("parked deliveries"): deliveries parked with their reason, raw body and headers, for an
+operator to inspect, replay (``consumer-kit parked replay``) or discard; and the audit of who did which.
+
+A parked row keeps what its source handed to the pipeline: the body, the headers, the security-relevant
+``attributes`` and the source's delivery id, so that a replay hands the same delivery over again and it
+keys the same. The delivery id is the raw stable id the operation key was made of: it is kept for the
+replay and never printed; listings show the key's digest.
+"""
 
 from __future__ import annotations
 
 import secrets
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
 from consumer_kit.store import sql
 from consumer_kit.store.connections import Database
-from consumer_kit.store.executor import Executor
+from consumer_kit.store.executor import Executor, Row
 from consumer_kit.store.inbox import Clock, utcnow
 
 
 @dataclass(frozen=True, slots=True)
 class DeadLetter:
-    """One parked delivery. ``key_digest`` is ``None`` when the delivery could not be keyed."""
+    """One parked delivery. ``key_digest`` is ``None`` when the delivery could not be keyed;
+    ``delivery_id`` and ``attributes`` are ``None`` on rows parked before they were kept."""
 
     id: str
     consumer: str
@@ -30,10 +38,59 @@ class DeadLetter:
     headers: Mapping[str, Any]
     attempts: int
     created_at: datetime
+    delivery_id: str | None = None
+    attributes: Mapping[str, str] | None = None
+    replays: int = 0
+    replayed_at: datetime | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ParkedFilter:
+    """Which parked deliveries: each field narrows the selection when set. ``replayed``: ``True`` only
+    those replayed before, ``False`` only those never replayed."""
+
+    consumer: str | None = None
+    reason: str | None = None
+    namespace: str | None = None
+    source: str | None = None
+    since: datetime | None = None
+    replayed: bool | None = None
+
+    @property
+    def params(self) -> dict[str, Any]:
+        """The statements' parameters."""
+        return {"consumer": self.consumer, "reason": self.reason, "namespace": self.namespace,
+                "source": self.source, "since": self.since,
+                "replayed": None if self.replayed is None else int(self.replayed)}
+
+
+@dataclass(frozen=True, slots=True)
+class ParkedGroup:
+    """Parked deliveries of one reason from one source."""
+
+    reason: str
+    source: str
+    parked: int
+    replayed: int
+    oldest: datetime
+    newest: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class AuditEntry:
+    """One replay or discard of a parked delivery: who, when, and what came of it."""
+
+    id: str
+    dead_letter_id: str
+    action: str  # replay | discard
+    actor: str
+    acted_at: datetime
+    outcome: str
+    detail: str | None
 
 
 class DeadLetters:
-    """Park deliveries and list them."""
+    """Park deliveries; list, group, fetch, discard them; record who replayed or discarded which."""
 
     def __init__(self, database: Database, *, clock: Clock = utcnow) -> None:
         self.database = database
@@ -53,12 +110,15 @@ class DeadLetters:
         headers: Mapping[str, str],
         attempts: int,
         detail: str | None = None,
+        delivery_id: str | None = None,
+        attributes: Mapping[str, str] | None = None,
     ) -> str:
         """Store a parked delivery (in ``ex``'s transaction when given, else on its own) and return its id."""
         letter_id = secrets.token_hex(16)
         params = {"id": letter_id, "consumer": consumer, "source": source, "namespace": namespace,
                   "version": version, "key_digest": key_digest, "reason": reason, "detail": detail,
-                  "body": body, "headers": dict(headers), "attempts": attempts, "created_at": self.clock()}
+                  "body": body, "headers": dict(headers), "attempts": attempts, "created_at": self.clock(),
+                  "delivery_id": delivery_id, "attributes": dict(attributes) if attributes else None}
         if ex is not None:
             await ex.execute(sql.INSERT_DEAD_LETTER, params)
         else:
@@ -67,17 +127,69 @@ class DeadLetters:
         return letter_id
 
     async def list(
-        self, *, consumer: str | None = None, reason: str | None = None, limit: int = 100
+        self, *, consumer: str | None = None, reason: str | None = None, limit: int = 100,
+        where: ParkedFilter | None = None, oldest_first: bool = False,
     ) -> list[DeadLetter]:
-        """The newest parked deliveries, optionally for one consumer or reason."""
+        """Parked deliveries, newest first (``oldest_first``: the other way), narrowed by ``where`` (or
+        by ``consumer`` and ``reason``)."""
+        where = where or ParkedFilter(consumer=consumer, reason=reason)
+        statement = sql.OLDEST_DEAD_LETTERS if oldest_first else sql.LIST_DEAD_LETTERS
         async with self.database.connect() as ex:
-            rows = await ex.fetch_all(sql.LIST_DEAD_LETTERS, {"consumer": consumer, "reason": reason,
-                                                              "limit": limit})
-        return [DeadLetter(**{**dict(row), "body": bytes(row["body"])}) for row in rows]
+            rows = await ex.fetch_all(statement, {**where.params, "limit": limit})
+        return [_letter(row) for row in rows]
 
-    async def count(self, *, reason: str | None = None) -> int:
-        """How many deliveries are parked (for one reason, when given)."""
+    async def get(self, letter_id: str) -> DeadLetter | None:
+        """One parked delivery by its id."""
         async with self.database.connect() as ex:
-            row = await ex.fetch_one(sql.COUNT_DEAD_LETTERS, {"consumer": None, "reason": reason})
+            row = await ex.fetch_one(sql.GET_DEAD_LETTER, {"id": letter_id})
+        return None if row is None else _letter(row)
+
+    async def count(self, *, reason: str | None = None, where: ParkedFilter | None = None) -> int:
+        """How many deliveries are parked (for one reason, or those ``where`` selects)."""
+        where = where or ParkedFilter(reason=reason)
+        async with self.database.connect() as ex:
+            row = await ex.fetch_one(sql.COUNT_DEAD_LETTERS, where.params)
         assert row is not None
         return int(row["parked"])
+
+    async def groups(self, where: ParkedFilter | None = None) -> list[ParkedGroup]:
+        """Counts by reason and source, largest first."""
+        async with self.database.connect() as ex:
+            rows = await ex.fetch_all(sql.GROUP_DEAD_LETTERS, (where or ParkedFilter()).params)
+        return [ParkedGroup(reason=row["reason"], source=row["source"], parked=int(row["parked"]),
+                            replayed=int(row["replayed"] or 0), oldest=row["oldest"], newest=row["newest"])
+                for row in rows]
+
+    async def history(self, letter_id: str) -> list[AuditEntry]:
+        """Every replay (and the discard) of one parked delivery, oldest first."""
+        async with self.database.connect() as ex:
+            rows = await ex.fetch_all(sql.LIST_PARKED_AUDIT, {"dead_letter_id": letter_id})
+        return [AuditEntry(**dict(row)) for row in rows]
+
+    async def replayed(self, letter: DeadLetter, *, actor: str, outcome: str, detail: str | None = None) -> None:
+        """Record that ``actor`` replayed ``letter`` now, and what came of it (one transaction)."""
+        async with self.database.transaction() as ex:
+            await ex.execute(sql.MARK_REPLAYED, {"id": letter.id, "now": self.clock()})
+            await self._audit(ex, letter, action="replay", actor=actor, outcome=outcome, detail=detail)
+
+    async def discard(self, letters: Sequence[DeadLetter], *, actor: str) -> int:
+        """Delete ``letters``, recording who did it; returns how many were still there to delete."""
+        gone = 0
+        async with self.database.transaction() as ex:
+            for letter in letters:
+                if await ex.execute(sql.DELETE_DEAD_LETTER, {"id": letter.id}) == 1:
+                    gone += 1
+                    await self._audit(ex, letter, action="discard", actor=actor, outcome="discarded")
+        return gone
+
+    async def _audit(self, ex: Executor, letter: DeadLetter, *, action: str, actor: str, outcome: str,
+                     detail: str | None = None) -> None:
+        await ex.execute(sql.INSERT_PARKED_AUDIT, {
+            "id": secrets.token_hex(16), "dead_letter_id": letter.id, "action": action, "actor": actor[:255],
+            "acted_at": self.clock(), "consumer": letter.consumer, "source": letter.source,
+            "reason": letter.reason, "key_digest": letter.key_digest, "outcome": outcome,
+            "detail": detail[:2000] if detail else None})
+
+
+def _letter(row: Row) -> DeadLetter:
+    return DeadLetter(**{**dict(row), "body": bytes(row["body"]), "replays": int(row["replays"] or 0)})

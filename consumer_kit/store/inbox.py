@@ -300,6 +300,26 @@ class Inbox:
                 return True
         return False
 
+    async def reopen(self, ex: Executor, consumer: str, digests: Sequence[str], *,
+                     fingerprint: str | None = None) -> bool:
+        """For the replay of a parked delivery: take its key out of the "dead" state (a fresh count of
+        attempts, no lease), so that the replayed delivery runs the handler; and drop the key's
+        tombstone, so that a key whose record was swept is a key like any other again. With
+        ``fingerprint`` (a new body accepted for the key) a key in any state but a live lease is
+        reopened for that fingerprint. Whether a row was reopened; a completed key stays completed
+        otherwise (its replay is a duplicate)."""
+        now = self.clock()
+        reopened = False
+        for digest in digests:
+            params = {"consumer": consumer, "key_digest": digest, "now": now, "expires_at": now + self.retention}
+            if fingerprint is None:
+                count = await ex.execute(sql.REOPEN_PARKED, params)
+            else:
+                count = await ex.execute(sql.REOPEN_WITH_FINGERPRINT, {**params, "fingerprint": fingerprint})
+            reopened = reopened or count == 1
+        await self.forget(ex, consumer, digests)
+        return reopened
+
     async def forget(self, ex: Executor, consumer: str, digests: Sequence[str]) -> None:
         """Drop a key's tombstone (a late delivery processed anyway makes it a key like any other)."""
         await ex.execute_many(sql.FORGET_TOMBSTONE, [{"consumer": consumer, "key_digest": d} for d in digests])

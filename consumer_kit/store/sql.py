@@ -31,8 +31,9 @@ TYPES: dict[str, Kind] = {
     **dict.fromkeys(("now", "locked_until", "expires_at", "created_at", "updated_at", "available_at",
                      "published_at", "ended_at", "keep_from", "since", "oldest", "receipt_expires_at",
                      "resource_expires_at", "inbox_locked_until", "swept_at", "tombstone_expires_at", "tick",
-                     "decided_until", "decided_from", "not_before", "before"), "datetime"),
-    **dict.fromkeys(("result", "headers", "response", "inbox_result"), "json"),
+                     "decided_until", "decided_from", "not_before", "before", "newest", "replayed_at", "acted_at"),
+                    "datetime"),
+    **dict.fromkeys(("result", "headers", "response", "inbox_result", "attributes"), "json"),
     **dict.fromkeys(("closed", "generated", "tombstones", "tombstoned"), "bool"),
     **dict.fromkeys(("body",), "bytes"),
 }
@@ -288,17 +289,56 @@ SWEEP_OUTBOX = Statement(
 
 INSERT_DEAD_LETTER = Statement(
     "INSERT INTO dead_letters (id, consumer, source, namespace, version, key_digest, reason, detail, body,"
-    " headers, attempts, created_at)"
+    " headers, attempts, created_at, delivery_id, attributes, replays)"
     " VALUES (:id, :consumer, :source, :namespace, :version, :key_digest, :reason, :detail, :body, :headers,"
-    " :attempts, :created_at)"
+    " :attempts, :created_at, :delivery_id, :attributes, 0)"
 )
-# An unset filter is NULL; the CASTs give PostgreSQL the parameter's type where it is first seen.
-_DEAD_LETTER_FILTERS = ("(CAST(:consumer AS varchar) IS NULL OR consumer = :consumer)"
-                        " AND (CAST(:reason AS varchar) IS NULL OR reason = :reason)")
+# An unset filter is NULL; the CASTs give PostgreSQL the parameter's type where it is first seen (on
+# SQLite they only take part in the IS NULL test). ``replayed``: 1 only replayed ones, 0 only others.
+_DEAD_LETTER_FILTERS = (
+    "(CAST(:consumer AS varchar) IS NULL OR consumer = :consumer)"
+    " AND (CAST(:reason AS varchar) IS NULL OR reason = :reason)"
+    " AND (CAST(:namespace AS varchar) IS NULL OR namespace = :namespace)"
+    " AND (CAST(:source AS varchar) IS NULL OR source = :source)"
+    " AND (CAST(:since AS timestamptz) IS NULL OR created_at >= :since)"
+    " AND (CAST(:replayed AS integer) IS NULL OR (CAST(:replayed AS integer) = 1 AND replays > 0)"
+    " OR (CAST(:replayed AS integer) = 0 AND replays = 0))"
+)
+_DEAD_LETTER_COLUMNS = ("id, consumer, source, namespace, version, key_digest, reason, detail, body, headers,"
+                        " attempts, created_at, delivery_id, attributes, replays, replayed_at")
 LIST_DEAD_LETTERS = Statement(
-    "SELECT id, consumer, source, namespace, version, key_digest, reason, detail, body, headers, attempts,"
-    f" created_at FROM dead_letters WHERE {_DEAD_LETTER_FILTERS} ORDER BY created_at DESC LIMIT :limit")
+    f"SELECT {_DEAD_LETTER_COLUMNS} FROM dead_letters WHERE {_DEAD_LETTER_FILTERS}"
+    " ORDER BY created_at DESC, id LIMIT :limit")
+# Oldest first: a replay sends parked work back in the order it was parked.
+OLDEST_DEAD_LETTERS = Statement(
+    f"SELECT {_DEAD_LETTER_COLUMNS} FROM dead_letters WHERE {_DEAD_LETTER_FILTERS}"
+    " ORDER BY created_at, id LIMIT :limit")
 COUNT_DEAD_LETTERS = Statement(f"SELECT count(*) AS parked FROM dead_letters WHERE {_DEAD_LETTER_FILTERS}")
+GROUP_DEAD_LETTERS = Statement(
+    "SELECT reason, source, count(*) AS parked, min(created_at) AS oldest, max(created_at) AS newest,"
+    f" sum(CASE WHEN replays > 0 THEN 1 ELSE 0 END) AS replayed FROM dead_letters WHERE {_DEAD_LETTER_FILTERS}"
+    " GROUP BY reason, source ORDER BY count(*) DESC, reason, source")
+GET_DEAD_LETTER = Statement(f"SELECT {_DEAD_LETTER_COLUMNS} FROM dead_letters WHERE id = :id")
+DELETE_DEAD_LETTER = Statement("DELETE FROM dead_letters WHERE id = :id")
+MARK_REPLAYED = Statement("UPDATE dead_letters SET replays = replays + 1, replayed_at = :now WHERE id = :id")
+INSERT_PARKED_AUDIT = Statement(
+    "INSERT INTO parked_audit (id, dead_letter_id, action, actor, acted_at, consumer, source, reason, key_digest,"
+    " outcome, detail) VALUES (:id, :dead_letter_id, :action, :actor, :acted_at, :consumer, :source, :reason,"
+    " :key_digest, :outcome, :detail)")
+LIST_PARKED_AUDIT = Statement(
+    "SELECT id, dead_letter_id, action, actor, acted_at, outcome, detail FROM parked_audit"
+    " WHERE dead_letter_id = :dead_letter_id ORDER BY acted_at, id")
+# A replay takes a parked key back out of the inbox's "dead" state (so that the redelivery runs the
+# handler, with a fresh count of attempts); with a new body accepted, a key in any state but a live
+# lease takes the parked delivery's fingerprint too. Completed keys are left alone otherwise: the
+# replay of finished work is a duplicate.
+_REOPEN = ("UPDATE inbox SET state = 'started', locked_until = NULL, lease_token = NULL, attempts = 0,"
+           " outcome = NULL, result = NULL, last_error = NULL, updated_at = :now, expires_at = :expires_at")
+REOPEN_PARKED = Statement(
+    f"{_REOPEN} WHERE consumer = :consumer AND key_digest = :key_digest AND state = 'dead'")
+REOPEN_WITH_FINGERPRINT = Statement(
+    f"{_REOPEN}, fingerprint = :fingerprint WHERE consumer = :consumer AND key_digest = :key_digest"
+    " AND NOT (state = 'started' AND locked_until IS NOT NULL AND locked_until > :now)")
 
 # --- schedules (sources.schedules) -------------------------------------------------------------------
 

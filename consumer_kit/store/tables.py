@@ -103,8 +103,35 @@ dead_letters = Table(
     Column("headers", JSON, nullable=False),
     Column("attempts", Integer, nullable=False),
     Column("created_at", UTCDateTime(), nullable=False),
+    # What a replay needs to hand the delivery over exactly as the source did: the source's delivery id
+    # (the stable id the key was made of: kept for the replay only, never printed) and the
+    # security-relevant attributes that are part of its fingerprint. NULL on rows parked before 0006.
+    Column("delivery_id", String(1024), nullable=True),
+    Column("attributes", JSON, nullable=True),
+    Column("replays", Integer, nullable=False, server_default="0"),
+    Column("replayed_at", UTCDateTime(), nullable=True),
     Index("ix_dead_letters_created_at", "created_at"),
     Index("ix_dead_letters_key_digest", "key_digest"),
+    Index("ix_dead_letters_reason", "reason"),
+)
+
+# Who replayed or discarded which parked delivery, and when (kept when the parked row is discarded).
+parked_audit = Table(
+    "parked_audit",
+    metadata,
+    Column("id", String(32), primary_key=True),
+    Column("dead_letter_id", String(32), nullable=False),
+    Column("action", String(16), nullable=False),  # replay | discard
+    Column("actor", String(255), nullable=False),
+    Column("acted_at", UTCDateTime(), nullable=False),
+    Column("consumer", String(200), nullable=False),
+    Column("source", String(255), nullable=False),
+    Column("reason", String(64), nullable=False),  # why it was parked
+    Column("key_digest", String(64), nullable=True),
+    Column("outcome", String(32), nullable=False),  # requeued | processed | duplicate | parked | ... | discarded
+    Column("detail", Text, nullable=True),
+    Index("ix_parked_audit_dead_letter_id", "dead_letter_id"),
+    Index("ix_parked_audit_acted_at", "acted_at"),
 )
 
 outbox = Table(
