@@ -11,7 +11,8 @@
     ├── TerminalError                   never retry; park the delivery with a reason
     │   ├── InvalidKey                  the operation key breaks the seed's rules
     │   ├── MissingStableId             the delivery carries no immutable id to key it by
-    │   │   └── UnparseableDelivery     its body (or envelope) cannot be parsed to find one
+    │   │   ├── UnparseableDelivery     its body (or envelope) cannot be parsed to find one
+    │   │   └── InvalidReplay           it claims to be a replay, but its replay header does not verify
     │   └── CoordinatorRejected         the coordinator refused the request (a 4xx other than 408/425/429)
     │       ├── IdempotencyKeyConflict      409: same key, a security-relevant field changed
     │       └── IdempotencyResultInactive   409: the key's session ended, expired or was revoked
@@ -90,6 +91,16 @@ class UnparseableDelivery(MissingStableId):
     reason = "unparseable"
 
     def __init__(self, message: str = "the delivery cannot be parsed") -> None:
+        super().__init__(message)
+
+
+class InvalidReplay(MissingStableId):
+    """A message carries a replay header (``x-consumer-kit-replay``) that does not verify: it was not
+    made by ``consumer-kit parked replay`` with this app's HMAC key. Parked ``invalid_replay``, never run."""
+
+    reason = "invalid_replay"
+
+    def __init__(self, message: str = "the replay header does not verify") -> None:
         super().__init__(message)
 
 

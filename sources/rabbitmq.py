@@ -24,9 +24,17 @@ mode, or binary mode with ``cloudEvents_*`` / ``cloudEvents:*`` application prop
 handler the event's data. The attempt number comes from the copy's ``x-consumer-kit-attempt`` header
 plus ``x-delivery-count`` (quorum queues) or the redelivered flag.
 
+A parked message goes back on its queue with ``consumer-kit parked replay`` (:meth:`RabbitMQSource.requeuer`):
+the copy carries the delivery as the pipeline saw it in a signed ``x-consumer-kit-replay`` header (see
+:mod:`consumer_kit.replay`), its ``message_id`` and headers as they were, so it keys the same.
+
 ``AmqpPublisher`` implements :class:`consumer_kit.relay.Publisher`: it publishes outbox rows with
 publisher confirms, ``message_id`` = the row id, persistent, and mandatory (an unroutable destination
 is a failure, so the row stays pending).
+
+A broker that cannot be reached, or refuses the user or the virtual host, is a
+:class:`~consumer_kit.errors.ConfigurationError` whose one line says which (:func:`unreachable`); the
+URL in it never shows the password.
 """
 
 from __future__ import annotations
@@ -35,13 +43,17 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import Mapping, Sequence
+import socket
+import time
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import replace
-from datetime import UTC
+from datetime import UTC, datetime
 from typing import Any
 
 try:
     import aio_pika
+    import aiormq.exceptions
+    import yarl
     from aio_pika.abc import (
         AbstractChannel,
         AbstractConnection,
@@ -56,6 +68,8 @@ except ModuleNotFoundError as exc:  # pragma: no cover - exercised only without 
 
 from consumer_kit.delivery import Delivery, Dispatch, KeyMapper, Result, Settlement
 from consumer_kit.errors import ConfigurationError
+from consumer_kit.keys import KeyDigester
+from consumer_kit.replay import REPLAY_HEADER, RefusedReplay, Replayed, Send, unseal
 from consumer_kit.settings import Settings
 from consumer_kit.store.outbox import OutboxMessage
 from sources.envelopes import EnvelopedSource, KeyFunction, amqp_cloudevent, require_cloudevents
@@ -70,6 +84,51 @@ NO_ID_HEADER = "x-consumer-kit-no-message-id"
 random id, and a copy must never be keyed by that."""
 DEFAULT_RETRY_DELAYS = (1.0, 5.0, 30.0, 120.0)
 SETTLE_TIMEOUT_SECONDS = 10.0  # how long close() waits for acks and copies already under way
+CONNECT_TIMEOUT_SECONDS = 5.0
+FAILED_CONNECT_REUSE_SECONDS = 1.0  # AmqpPublisher: how long a failed connect answers later publishes
+_BOOKKEEPING = (ATTEMPT_HEADER, REASON_HEADER, SOURCE_QUEUE_HEADER, NO_ID_HEADER, REPLAY_HEADER)
+
+
+class _SameAsOurError(logging.Filter):
+    """aiormq logs a failed connection attempt ("error when creating transport") before it raises;
+    the error we raise from it (see :func:`unreachable`) says the same in one line, so the log record
+    would only repeat it, with the URL's password in it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("error when creating transport")
+
+
+logging.getLogger("aiormq.connection").addFilter(_SameAsOurError())
+
+
+def unreachable(exc: BaseException, url: str, what: str) -> ConfigurationError:
+    """The one-line error for a broker connection that failed: where (the URL without its password),
+    for what, and why in words (refused, unknown host, bad login, unknown virtual host)."""
+    try:
+        parsed = yarl.URL(url)
+        where = str(parsed.with_password("***")) if parsed.password else str(parsed)
+        vhost, user = parsed.path.lstrip("/") or "/", parsed.user or "guest"
+    except (ValueError, TypeError):
+        where, vhost, user = "RABBITMQ_URL (unparseable)", "?", "?"
+    causes = [exc, exc.__cause__, exc.__context__]
+    if isinstance(exc, aiormq.exceptions.ProbableAuthenticationError | aiormq.exceptions.AuthenticationError):
+        why = f"the broker refused the login of user {user!r} (wrong user name or password)"
+    elif isinstance(exc, aiormq.exceptions.InvalidFrameError) and "Connection.Close" in str(exc):
+        # The broker answers an unknown (or forbidden) virtual host by closing the connection it was
+        # opening; aiormq reports that as an unexpected frame.
+        why = f"the broker closed the connection as it opened: virtual host {vhost!r} does not exist, or user " \
+              f"{user!r} may not use it"
+    elif any(isinstance(c, ConnectionRefusedError) for c in causes):
+        why = "connection refused (nothing listens there: is the broker running, and is the port right?)"
+    elif any(isinstance(c, socket.gaierror) for c in causes):
+        why = "the host name does not resolve"
+    elif any(isinstance(c, TimeoutError) for c in causes):
+        why = f"no answer within {CONNECT_TIMEOUT_SECONDS:.0f} s"
+    elif isinstance(exc, ValueError | TypeError):
+        why = "RABBITMQ_URL is not a valid AMQP URL"
+    else:
+        why = f"{type(exc).__name__}"
+    return ConfigurationError(f"cannot connect to RabbitMQ at {where} for {what}: {why}")
 
 
 class RabbitMQSource(EnvelopedSource):
@@ -126,6 +185,7 @@ class RabbitMQSource(EnvelopedSource):
         self._dispatch: Dispatch | None = None
         self._in_flight: set[asyncio.Task[Any]] = set()
         self._acks = _Acks()
+        self._replays: KeyDigester | None = None  # verifies the replay header of a requeued parked message
 
     def retry_queue(self, delay: float) -> str:
         """The name of the retry queue for ``delay`` seconds."""
@@ -136,12 +196,12 @@ class RabbitMQSource(EnvelopedSource):
         begin consuming."""
         url = settings.require_rabbitmq_url(self.url)
         self._dispatch = dispatch
+        self._replays = settings.digester()
         try:
             self._connection = await aio_pika.connect_robust(
-                url, client_properties={"connection_name": self.name})
+                url, timeout=CONNECT_TIMEOUT_SECONDS, client_properties={"connection_name": self.name})
         except Exception as exc:
-            raise ConfigurationError(f"cannot connect to RabbitMQ for {self.name}: {type(exc).__name__}") \
-                from exc
+            raise unreachable(exc, url, self.name) from exc
         self._channel = await self._connection.channel(publisher_confirms=True)
         await self._channel.set_qos(prefetch_count=self.prefetch)
         self._queue = await self._declare(self._channel)
@@ -196,8 +256,8 @@ class RabbitMQSource(EnvelopedSource):
     async def _deliver(self, message: AbstractIncomingMessage) -> None:
         assert self._dispatch is not None
         try:
-            delivery = to_delivery(message)
-            if self.envelope == "cloudevents":
+            delivery = to_delivery(message, self._replays)
+            if self.envelope == "cloudevents" and not isinstance(delivery, Replayed | RefusedReplay):
                 delivery = replace(amqp_cloudevent(delivery, message.content_type), sent_at=delivery.sent_at)
             result = await self._dispatch(delivery)
             await self._settle(message, delivery, result)
@@ -252,6 +312,34 @@ class RabbitMQSource(EnvelopedSource):
             delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
         )
         await self._channel.default_exchange.publish(copy, routing_key=queue)
+
+    @contextlib.asynccontextmanager
+    async def requeuer(self, settings: Settings) -> AsyncIterator[Send]:
+        """A connection for putting parked deliveries back on the queue (``consumer-kit parked replay``):
+        each copy is persistent, mandatory (a missing queue is an error) and confirmed by the broker;
+        its headers and ``message_id`` are the original's, and the replay header holds the delivery."""
+        url = settings.require_rabbitmq_url(self.url)
+        try:
+            connection = await aio_pika.connect(url, timeout=CONNECT_TIMEOUT_SECONDS,
+                                                client_properties={"connection_name": f"{self.name}-replay"})
+        except Exception as exc:
+            raise unreachable(exc, url, f"replaying to {self.queue}") from exc
+        try:
+            channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
+
+            async def send(delivery: Replayed, sealed: str) -> None:
+                headers: dict[str, Any] = {k: v for k, v in delivery.headers.items() if k not in _BOOKKEEPING}
+                headers[REPLAY_HEADER] = sealed
+                copy = aio_pika.Message(
+                    body=delivery.body, headers=headers, message_id=delivery.id, type=delivery.attributes.get("type"),
+                    content_type=delivery.headers.get("content-type"), timestamp=datetime.now(UTC),
+                    delivery_mode=aio_pika.DeliveryMode.PERSISTENT)
+                await channel.default_exchange.publish(copy, routing_key=self.queue, mandatory=True)
+
+            yield send
+        finally:
+            with contextlib.suppress(Exception):
+                await connection.close()
 
     async def stop(self) -> None:
         """Cancel the consumer: the broker sends no more; deliveries already received go on."""
@@ -356,8 +444,9 @@ def _channel(message: AbstractIncomingMessage) -> object | None:
         return None
 
 
-def to_delivery(message: AbstractIncomingMessage) -> Delivery:
-    """The :class:`Delivery` of an AMQP message: id from ``message_id`` only, attempt from headers."""
+def to_delivery(message: AbstractIncomingMessage, replays: KeyDigester | None = None) -> Delivery:
+    """The :class:`Delivery` of an AMQP message: id from ``message_id`` only, attempt from headers. A
+    requeued parked message (its replay header verified with ``replays``) is the delivery it carries."""
     raw = dict(message.headers or {})
     raw.pop("x-death", None)  # the broker's dead-lettering history: bulky, and not the message's
     attempt = _int(raw.get(ATTEMPT_HEADER), 1)
@@ -371,6 +460,8 @@ def to_delivery(message: AbstractIncomingMessage) -> Delivery:
     sent_at = message.timestamp  # the publisher's own clock, when it set one
     if sent_at is not None and sent_at.tzinfo is None:
         sent_at = sent_at.replace(tzinfo=UTC)  # AMQP timestamps are seconds since the epoch: UTC
+    if replays is not None and REPLAY_HEADER in raw:
+        return unseal(_text(raw[REPLAY_HEADER]), message.body, replays, attempt=attempt, sent_at=sent_at)
     return Delivery(
         id=message_id, body=message.body,
         headers={k: _text(v) for k, v in raw.items()}, attributes=attributes, attempt=attempt, sent_at=sent_at,
@@ -406,6 +497,7 @@ class AmqpPublisher:
         self._channel: AbstractChannel | None = None
         self._exchange: AbstractExchange | None = None
         self._lock = asyncio.Lock()
+        self._failed: tuple[float, ConfigurationError] | None = None  # the last failed connect, and when
 
     async def _ready(self) -> AbstractExchange:
         async with self._lock:
@@ -413,9 +505,19 @@ class AmqpPublisher:
             if exchange is not None and channel is not None and not channel.is_closed:
                 return exchange
             await self._drop()
+            if self._failed is not None and time.monotonic() - self._failed[0] < FAILED_CONNECT_REUSE_SECONDS:
+                # A batch's publishes wait here one behind another: one failed connect answers them all,
+                # rather than each waiting out a timeout of its own.
+                raise self._failed[1]
             url = (self.settings or Settings()).require_rabbitmq_url(self.url)
-            connection = await aio_pika.connect(
-                url, timeout=5, client_properties={"connection_name": self.connection_name})
+            try:
+                connection = await aio_pika.connect(
+                    url, timeout=CONNECT_TIMEOUT_SECONDS, client_properties={"connection_name": self.connection_name})
+            except Exception as exc:
+                error = unreachable(exc, url, "the outbox relay")
+                self._failed = (time.monotonic(), error)
+                raise error from exc
+            self._failed = None
             channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
             if self.exchange_name:
                 exchange = await channel.get_exchange(self.exchange_name, ensure=True)
@@ -423,6 +525,10 @@ class AmqpPublisher:
                 exchange = channel.default_exchange
             self._connection, self._channel, self._exchange = connection, channel, exchange
             return exchange
+
+    async def check(self) -> None:
+        """Connect now (the relay calls it first, to say at once when the broker cannot be reached)."""
+        await self._ready()
 
     async def publish(self, message: OutboxMessage) -> None:
         """Publish and wait for the broker's confirm; raise on nack, return or connection loss."""

@@ -31,7 +31,7 @@ import httpx
 from consumer_kit import metrics
 from consumer_kit.coordinator.protocol import Coordinator, SessionsInTransaction
 from consumer_kit.delivery import Delivery, Outcome, Result, Settlement
-from consumer_kit.errors import InvalidKey, MissingStableId
+from consumer_kit.errors import InvalidKey, InvalidReplay, MissingStableId
 from consumer_kit.keys import KeyDigester
 from consumer_kit.pipeline.batch import Batch, BatchedPath
 from consumer_kit.pipeline.fate import Fate
@@ -48,6 +48,7 @@ from consumer_kit.pipeline.work import (
     redact,
     session_request,
 )
+from consumer_kit.replay import RefusedReplay
 from consumer_kit.settings import Settings
 from consumer_kit.store import DeadLetters, Inbox
 from consumer_kit.store.connections import Database
@@ -115,6 +116,8 @@ class Pipeline:
 
     async def _process(self, spec: HandlerSpec, delivery: Delivery) -> Result:
         try:
+            if isinstance(delivery, RefusedReplay):
+                raise InvalidReplay(delivery.why)
             key = spec.source.key(delivery)
         except (MissingStableId, InvalidKey) as exc:
             await self.fate.park(spec, delivery, None, exc.reason, str(exc), attempts=delivery.attempt, ex=None)

@@ -152,7 +152,7 @@ class Fate:
                 on, consumer=spec.consumer, source=spec.source.name, namespace=spec.source.namespace,
                 version=spec.source.version, key_digest=digest, reason=reason, detail=detail,
                 body=delivery.body, headers=delivery.headers, attempts=attempts,
-                delivery_id=delivery.id, attributes=delivery.attributes,
+                delivery_id=delivery.id, attributes=delivery.attributes, fingerprint=delivery.fingerprint(),
             )
         metrics.DEAD_LETTERS.labels(spec.source.name, reason).inc()
         if digest is None:

@@ -2,8 +2,8 @@
 operator to inspect, replay (``consumer-kit parked replay``) or discard; and the audit of who did which.
 
 A parked row keeps what its source handed to the pipeline: the body, the headers, the security-relevant
-``attributes`` and the source's delivery id, so that a replay hands the same delivery over again and it
-keys the same. The delivery id is the raw stable id the operation key was made of: it is kept for the
+``attributes``, the source's delivery id and the delivery's fingerprint, so that a replay hands the same
+delivery over again, keyed the same and counted as the same request. The delivery id is the raw stable id the operation key was made of: it is kept for the
 replay and never printed; listings show the key's digest.
 """
 
@@ -24,7 +24,7 @@ from consumer_kit.store.inbox import Clock, utcnow
 @dataclass(frozen=True, slots=True)
 class DeadLetter:
     """One parked delivery. ``key_digest`` is ``None`` when the delivery could not be keyed;
-    ``delivery_id`` and ``attributes`` are ``None`` on rows parked before they were kept."""
+    ``delivery_id``, ``attributes`` and ``fingerprint`` are ``None`` on rows parked before they were kept."""
 
     id: str
     consumer: str
@@ -40,6 +40,7 @@ class DeadLetter:
     created_at: datetime
     delivery_id: str | None = None
     attributes: Mapping[str, str] | None = None
+    fingerprint: str | None = None
     replays: int = 0
     replayed_at: datetime | None = None
 
@@ -112,13 +113,15 @@ class DeadLetters:
         detail: str | None = None,
         delivery_id: str | None = None,
         attributes: Mapping[str, str] | None = None,
+        fingerprint: str | None = None,
     ) -> str:
         """Store a parked delivery (in ``ex``'s transaction when given, else on its own) and return its id."""
         letter_id = secrets.token_hex(16)
         params = {"id": letter_id, "consumer": consumer, "source": source, "namespace": namespace,
                   "version": version, "key_digest": key_digest, "reason": reason, "detail": detail,
                   "body": body, "headers": dict(headers), "attempts": attempts, "created_at": self.clock(),
-                  "delivery_id": delivery_id, "attributes": dict(attributes) if attributes else None}
+                  "delivery_id": delivery_id, "attributes": dict(attributes) if attributes else None,
+                  "fingerprint": fingerprint}
         if ex is not None:
             await ex.execute(sql.INSERT_DEAD_LETTER, params)
         else:

@@ -289,9 +289,9 @@ SWEEP_OUTBOX = Statement(
 
 INSERT_DEAD_LETTER = Statement(
     "INSERT INTO dead_letters (id, consumer, source, namespace, version, key_digest, reason, detail, body,"
-    " headers, attempts, created_at, delivery_id, attributes, replays)"
+    " headers, attempts, created_at, delivery_id, attributes, fingerprint, replays)"
     " VALUES (:id, :consumer, :source, :namespace, :version, :key_digest, :reason, :detail, :body, :headers,"
-    " :attempts, :created_at, :delivery_id, :attributes, 0)"
+    " :attempts, :created_at, :delivery_id, :attributes, :fingerprint, 0)"
 )
 # An unset filter is NULL; the CASTs give PostgreSQL the parameter's type where it is first seen (on
 # SQLite they only take part in the IS NULL test). ``replayed``: 1 only replayed ones, 0 only others.
@@ -305,7 +305,7 @@ _DEAD_LETTER_FILTERS = (
     " OR (CAST(:replayed AS integer) = 0 AND replays = 0))"
 )
 _DEAD_LETTER_COLUMNS = ("id, consumer, source, namespace, version, key_digest, reason, detail, body, headers,"
-                        " attempts, created_at, delivery_id, attributes, replays, replayed_at")
+                        " attempts, created_at, delivery_id, attributes, fingerprint, replays, replayed_at")
 LIST_DEAD_LETTERS = Statement(
     f"SELECT {_DEAD_LETTER_COLUMNS} FROM dead_letters WHERE {_DEAD_LETTER_FILTERS}"
     " ORDER BY created_at DESC, id LIMIT :limit")

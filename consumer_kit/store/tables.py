@@ -105,9 +105,11 @@ dead_letters = Table(
     Column("created_at", UTCDateTime(), nullable=False),
     # What a replay needs to hand the delivery over exactly as the source did: the source's delivery id
     # (the stable id the key was made of: kept for the replay only, never printed) and the
-    # security-relevant attributes that are part of its fingerprint. NULL on rows parked before 0006.
+    # security-relevant attributes, and its fingerprint (what "the same request" meant for it). NULL on
+    # rows parked before 0006.
     Column("delivery_id", String(1024), nullable=True),
     Column("attributes", JSON, nullable=True),
+    Column("fingerprint", String(64), nullable=True),
     Column("replays", Integer, nullable=False, server_default="0"),
     Column("replayed_at", UTCDateTime(), nullable=True),
     Index("ix_dead_letters_created_at", "created_at"),

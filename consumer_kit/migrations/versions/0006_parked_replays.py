@@ -1,5 +1,5 @@
 """Parked deliveries that can be replayed: what the source handed over besides the body and headers
-(its delivery id, its security-relevant attributes), how often each was replayed, and an audit of who
+(its delivery id, its security-relevant attributes, its fingerprint), how often each was replayed, and an audit of who
 replayed or discarded which, and when.
 
 Revision ID: 0006_parked_replays
@@ -24,6 +24,7 @@ def upgrade() -> None:
     with op.batch_alter_table("dead_letters") as batch:
         batch.add_column(sa.Column("delivery_id", sa.String(1024), nullable=True))
         batch.add_column(sa.Column("attributes", sa.JSON(), nullable=True))
+        batch.add_column(sa.Column("fingerprint", sa.String(64), nullable=True))
         batch.add_column(sa.Column("replays", sa.Integer(), server_default="0", nullable=False))
         batch.add_column(sa.Column("replayed_at", UTCDateTime(), nullable=True))
     op.create_index("ix_dead_letters_reason", "dead_letters", ["reason"])
@@ -52,5 +53,6 @@ def downgrade() -> None:
     with op.batch_alter_table("dead_letters") as batch:
         batch.drop_column("replayed_at")
         batch.drop_column("replays")
+        batch.drop_column("fingerprint")
         batch.drop_column("attributes")
         batch.drop_column("delivery_id")
