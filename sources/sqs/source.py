@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import collections
 import contextlib
 import functools
 import random
+import secrets
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
@@ -17,16 +20,22 @@ from prometheus_client import Counter
 
 from consumer_kit.delivery import Delivery, Dispatch, KeyMapper, Result, Settlement
 from consumer_kit.errors import ConfigurationError
+from consumer_kit.keys import KeyDigester
+from consumer_kit.replay import REPLAY_HEADER, RefusedReplay, Replayed, Send, unseal
 from consumer_kit.settings import Settings
 from sources.envelopes import ENVELOPES, EnvelopedSource, KeyFunction, is_s3_test_event, require_cloudevents, unwrap
 from sources.sqs.client import BATCH_MAX, MAX_VISIBILITY_SECONDS, BatchAction, SqsClient, error_code, explain, log
-from sources.sqs.held import HeldMessage, Slots, dead_letter_copy
+from sources.sqs.held import MAX_ATTRIBUTES, HeldMessage, Slots, dead_letter_copy
 from sources.sqs.queue import inspect_queue
 
 DEFAULT_RETRY_DELAYS = (1.0, 5.0, 30.0, 120.0)
 SETTLE_THREADS = 4  # pool threads besides the pollers': deletes, visibility changes, dead-letter copies
 SETTLE_TIMEOUT_SECONDS = 10.0  # how long close() waits for settlements already under way
 _SYSTEM_ATTRIBUTES = ["ApproximateReceiveCount", "SentTimestamp", "MessageGroupId"]
+REPLAY_BODY_ATTRIBUTE = "x-consumer-kit-replay-body"
+"""``base64`` on a requeued parked delivery whose body is not UTF-8 text (an SQS body must be text)."""
+_NOT_ATTRIBUTES = ("sqs-message-id", "sqs-message-group-id", "x-consumer-kit-reason", "x-consumer-kit-key-digest",
+                   "x-consumer-kit-queue", REPLAY_HEADER, REPLAY_BODY_ATTRIBUTE)
 
 S3_TEST_EVENTS = Counter("consumer_kit_sqs_s3_test_events_total",
                          "s3:TestEvent messages acknowledged without a delivery.", ["source"])
@@ -120,6 +129,7 @@ class SQSSource(EnvelopedSource):
         self._left_for_redrive: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._deletes: BatchAction | None = None
         self._visibility: BatchAction | None = None
+        self._replays: KeyDigester | None = None  # verifies the replay attribute of a requeued parked message
 
     @property
     def held(self) -> int:
@@ -134,6 +144,7 @@ class SQSSource(EnvelopedSource):
         begin polling."""
         endpoint = self.endpoint_url or settings.sqs_endpoint_url
         self._wait = settings.sqs_wait_time_seconds
+        self._replays = settings.digester()
         self._sqs = SqsClient(endpoint_url=endpoint, region=self.region or settings.sqs_region,
                               threads=self.pollers + SETTLE_THREADS, read_timeout=self._wait + 10,
                               name=self.name.replace(":", "-"))
@@ -324,8 +335,59 @@ class SQSSource(EnvelopedSource):
         attempt = int(system.get("ApproximateReceiveCount", 1))
         sent = system.get("SentTimestamp")  # milliseconds since the epoch, by SQS's clock
         sent_at = datetime.fromtimestamp(int(sent) / 1000, UTC) if sent and str(sent).isdigit() else None
-        return unwrap(self.envelope, message_id=message.id, body=message.raw["Body"].encode("utf-8"),
-                      headers=message.headers(), attempt=attempt, sent_at=sent_at)
+        headers, body = message.headers(), message.raw["Body"].encode("utf-8")
+        if self._replays is not None and REPLAY_HEADER in headers:
+            return [self._replayed(headers, body, attempt, sent_at)]
+        return unwrap(self.envelope, message_id=message.id, body=body, headers=headers, attempt=attempt,
+                      sent_at=sent_at)
+
+    def _replayed(self, headers: dict[str, str], body: bytes, attempt: int,
+                  sent_at: datetime | None) -> Replayed | RefusedReplay:
+        """The delivery a requeued parked message carries (see :mod:`consumer_kit.replay`)."""
+        assert self._replays is not None
+        if headers.get(REPLAY_BODY_ATTRIBUTE) == "base64":
+            try:
+                body = base64.b64decode(body, validate=True)
+            except (binascii.Error, ValueError):
+                return RefusedReplay(id=None, body=body, attempt=attempt, sent_at=sent_at,
+                                     why="the replayed body is not base64")
+        return unseal(headers[REPLAY_HEADER], body, self._replays, attempt=attempt, sent_at=sent_at)
+
+    @contextlib.asynccontextmanager
+    async def requeuer(self, settings: Settings) -> AsyncIterator[Send]:
+        """A client for putting parked deliveries back on the queue (``consumer-kit parked replay``).
+        Each goes back as a new message (SQS mints its ``MessageId``): the replay attribute carries
+        the delivery as the pipeline saw it, so it keys as before; the original message attributes go
+        along as far as SQS allows (ten in all). On a FIFO queue it joins its original message group."""
+        sqs = SqsClient(endpoint_url=self.endpoint_url or settings.sqs_endpoint_url,
+                        region=self.region or settings.sqs_region, threads=1, read_timeout=30,
+                        name=f"{self.name.replace(':', '-')}-replay")
+        try:
+            facts = await inspect_queue(
+                sqs, source=self.name, queue_url=self.queue_url, queue_name=self.queue_name,
+                visibility_timeout=self.visibility_timeout, heartbeat_interval=self.heartbeat_interval,
+                dead_letter_queue_url=self.dead_letter_queue_url, max_deliveries=settings.max_deliveries)
+
+            async def send(delivery: Replayed, sealed: str) -> None:
+                attributes = {REPLAY_HEADER: sealed}
+                try:
+                    body = delivery.body.decode("utf-8")
+                except UnicodeDecodeError:
+                    body = base64.b64encode(delivery.body).decode("ascii")
+                    attributes[REPLAY_BODY_ATTRIBUTE] = "base64"
+                for name, value in delivery.headers.items():
+                    if len(attributes) < MAX_ATTRIBUTES and name not in _NOT_ATTRIBUTES and value:
+                        attributes[name] = value
+                params: dict[str, Any] = dict(QueueUrl=facts.url, MessageBody=body, MessageAttributes={
+                    name: {"DataType": "String", "StringValue": value} for name, value in attributes.items()})
+                if facts.fifo:
+                    params["MessageGroupId"] = delivery.headers.get("sqs-message-group-id") or "consumer-kit-replay"
+                    params["MessageDeduplicationId"] = secrets.token_hex(16)  # each replay is a send of its own
+                await sqs.call("send_message", **params)
+
+            yield send
+        finally:
+            await sqs.close()
 
     async def _settle(self, message: HeldMessage, deliveries: list[Delivery], results: list[Result]) -> None:
         """One settlement per SQS message: every record of an S3 message must be settled before the
