@@ -3,8 +3,9 @@ operator to inspect, replay (``consumer-kit parked replay``) or discard; and the
 
 A parked row keeps what its source handed to the pipeline: the body, the headers, the security-relevant
 ``attributes``, the source's delivery id and the delivery's fingerprint, so that a replay hands the same
-delivery over again, keyed the same and counted as the same request. The delivery id is the raw stable id the operation key was made of: it is kept for the
-replay and never printed; listings show the key's digest.
+delivery over again, keyed the same and counted as the same request. The delivery id is the raw stable
+id the operation key was made of: it is kept for the replay and never printed; listings show the key's
+digest.
 """
 
 from __future__ import annotations

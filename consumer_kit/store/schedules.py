@@ -91,6 +91,10 @@ class ScheduleStore:
         """Make a skipped tick pending again: it is being run on purpose."""
         return await ex.execute(sql.UNSKIP_TICK, {**sid.params, "tick": tick, "now": now}) == 1
 
+    async def unpark(self, ex: Executor, sid: ScheduleId, tick: datetime, *, now: datetime) -> bool:
+        """Make a parked tick pending again: it is being replayed."""
+        return await ex.execute(sql.UNPARK_TICK, {**sid.params, "tick": tick, "now": now}) == 1
+
     async def pending(self, ex: Executor, sid: ScheduleId, *, limit: int) -> list[PendingTick]:
         """The oldest ``limit`` ticks decided to run whose deliveries have not settled."""
         rows = await ex.fetch_all(sql.PENDING_TICKS, {**sid.params, "limit": limit})

@@ -368,6 +368,10 @@ DEFER_TICK = Statement(
 UNSKIP_TICK = Statement(
     "UPDATE schedule_ticks SET state = 'pending', reason = NULL, updated_at = :now"
     f" WHERE {_SCHEDULE} AND tick = :tick AND state = 'skipped'")
+# A parked tick replayed (``consumer-kit parked replay``): pending again, to run and settle anew.
+UNPARK_TICK = Statement(
+    "UPDATE schedule_ticks SET state = 'pending', reason = NULL, not_before = NULL, updated_at = :now"
+    f" WHERE {_SCHEDULE} AND tick = :tick AND state = 'parked'")
 GET_TICK = Statement(f"SELECT tick, state, reason FROM schedule_ticks WHERE {_SCHEDULE} AND tick = :tick")
 LAST_RUN = Statement(
     f"SELECT tick, state, reason FROM schedule_ticks WHERE {_SCHEDULE} AND state <> 'skipped'"

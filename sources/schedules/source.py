@@ -205,6 +205,17 @@ class Schedule:
         await runner.settle(tick, result)
         return Fired(tick, result)
 
+    async def replay(self, delivery: Delivery, dispatch: Dispatch) -> Result:
+        """Run a parked tick again (``consumer-kit parked replay``): its row goes back to pending, then
+        the tick runs through the inbox as :meth:`fire` runs one, and its row records how it settled."""
+        try:
+            tick = datetime.strptime(delivery.id or "", "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC)
+        except ValueError:
+            raise MissingStableId("the parked delivery is not a tick of this schedule") from None
+        async with self.store.database.connect() as ex:
+            await self.store.unpark(ex, self.sid, tick, now=await self.clock.now())
+        return (await self.fire(tick, dispatch=dispatch, wait_seconds=0)).result
+
     async def status(self, *, recent: int = 20) -> ScheduleStatus:
         """The schedule's state: last and next fire, pending ticks, and the skipped ticks on record."""
         store, sid = self.store, self.sid
