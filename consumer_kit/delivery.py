@@ -83,6 +83,29 @@ class Delivery:
 
 
 @dataclass(frozen=True, slots=True)
+class Replayed(Delivery):
+    """A parked delivery handed over again by a replay (``ctx.delivery`` is one: a handler may tell).
+
+    ``parked_id`` is the parked row it came from; ``parked_fingerprint`` the fingerprint it had when it
+    was parked, which it keeps (a CloudEvent's fingerprint, say, is of its canonical form, not of the
+    body as stored), so that the replay is the same request to the inbox."""
+
+    parked_id: str = ""
+    parked_fingerprint: str = ""
+
+    def fingerprint(self) -> str:
+        """The fingerprint it had when parked (computed from the body when that was not kept)."""
+        return self.parked_fingerprint or Delivery.fingerprint(self)
+
+
+@dataclass(frozen=True, slots=True)
+class RefusedReplay(Delivery):
+    """A message whose replay header did not verify (``why``); the pipeline parks it ``invalid_replay``."""
+
+    why: str = "the replay header does not verify"
+
+
+@dataclass(frozen=True, slots=True)
 class Result:
     """The pipeline's verdict on one delivery."""
 

@@ -37,9 +37,10 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from consumer_kit.delivery import Delivery, Dispatch, Outcome, Result, Settlement
+from consumer_kit.delivery import Dispatch, Outcome, RefusedReplay, Replayed, Result, Settlement
 from consumer_kit.errors import InvalidKey, MissingStableId
 from consumer_kit.keys import KeyDigester, short
+from consumer_kit.pipeline.work import redact
 
 if TYPE_CHECKING:
     from consumer_kit.app import ConsumerApp
@@ -51,29 +52,6 @@ REPLAY_HEADER = "x-consumer-kit-replay"
 """The header (AMQP) or message attribute (SQS) that carries a requeued parked delivery."""
 
 _SEAL_VERSION = 1
-
-
-@dataclass(frozen=True, slots=True)
-class Replayed(Delivery):
-    """A parked delivery handed over again by a replay (``ctx.delivery`` is one: a handler may tell).
-
-    ``parked_id`` is the parked row it came from; ``parked_fingerprint`` the fingerprint it had when it
-    was parked, which it keeps (a CloudEvent's fingerprint, say, is of its canonical form, not of the
-    body as stored), so that the replay is the same request to the inbox."""
-
-    parked_id: str = ""
-    parked_fingerprint: str = ""
-
-    def fingerprint(self) -> str:
-        """The fingerprint it had when parked (computed from the body when that was not kept)."""
-        return self.parked_fingerprint or Delivery.fingerprint(self)
-
-
-@dataclass(frozen=True, slots=True)
-class RefusedReplay(Delivery):
-    """A message whose replay header did not verify (``why``); the pipeline parks it ``invalid_replay``."""
-
-    why: str = "the replay header does not verify"
 
 
 def seal(delivery: Replayed, digester: KeyDigester) -> str:
@@ -165,7 +143,7 @@ class ReplayReport:
     @property
     def sent(self) -> bool:
         """Whether it went back through its handler (or would, on a dry run)."""
-        return self.action != "skipped"
+        return self.action not in ("skipped", "failed")
 
 
 _OUTCOME_ACTIONS = {Outcome.PROCESSED: "processed", Outcome.DUPLICATE: "duplicate",
@@ -228,16 +206,20 @@ class Replayer:
             state = "completed: it will be a duplicate" if row is not None and row["state"] == "completed" \
                 and not conflict else None
             return ReplayReport(letter, "would_requeue" if requeues else "would_run", state, digest)
+        send = await self._requeuer(spec) if requeues else None  # a broker that cannot be reached stops here
         await self._pace()
         async with self.app.database.connect() as ex:
+            # Before the send: a worker that took the requeued message first would find the key parked.
             await self.app.inbox.reopen(ex, spec.consumer, digests,
                                         fingerprint=delivery.fingerprint() if conflict else None)
-        if requeues:
-            send = await self._requeuer(spec)
-            await send(delivery, seal(delivery, digester))
-            report = ReplayReport(letter, "requeued", f"back on {spec.source.name}", digest)
-        else:
-            report = self._reported(letter, await self._run(spec, delivery), digest)
+        try:
+            if send is not None:
+                await send(delivery, seal(delivery, digester))
+                report = ReplayReport(letter, "requeued", f"back on {spec.source.name}", digest)
+            else:
+                report = self._reported(letter, await self._run(spec, delivery), digest)
+        except Exception as exc:  # this one could not be sent (too large, refused): the others go on
+            report = ReplayReport(letter, "failed", redact(f"{type(exc).__name__}: {exc}", key)[:300], digest)
         await self.app.dead_letters.replayed(letter, actor=self.actor, outcome=report.action, detail=report.detail)
         return report
 

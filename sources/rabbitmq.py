@@ -66,10 +66,10 @@ except ModuleNotFoundError as exc:  # pragma: no cover - exercised only without 
 
     raise missing_extra("rabbitmq", "sources.rabbitmq", exc) from exc
 
-from consumer_kit.delivery import Delivery, Dispatch, KeyMapper, Result, Settlement
+from consumer_kit.delivery import Delivery, Dispatch, KeyMapper, RefusedReplay, Replayed, Result, Settlement
 from consumer_kit.errors import ConfigurationError
 from consumer_kit.keys import KeyDigester
-from consumer_kit.replay import REPLAY_HEADER, RefusedReplay, Replayed, Send, unseal
+from consumer_kit.replay import REPLAY_HEADER, Send, unseal
 from consumer_kit.settings import Settings
 from consumer_kit.store.outbox import OutboxMessage
 from sources.envelopes import EnvelopedSource, KeyFunction, amqp_cloudevent, require_cloudevents

@@ -30,7 +30,7 @@ import httpx
 
 from consumer_kit import metrics
 from consumer_kit.coordinator.protocol import Coordinator, SessionsInTransaction
-from consumer_kit.delivery import Delivery, Outcome, Result, Settlement
+from consumer_kit.delivery import Delivery, Outcome, RefusedReplay, Result, Settlement
 from consumer_kit.errors import InvalidKey, InvalidReplay, MissingStableId
 from consumer_kit.keys import KeyDigester
 from consumer_kit.pipeline.batch import Batch, BatchedPath
@@ -48,7 +48,6 @@ from consumer_kit.pipeline.work import (
     redact,
     session_request,
 )
-from consumer_kit.replay import RefusedReplay
 from consumer_kit.settings import Settings
 from consumer_kit.store import DeadLetters, Inbox
 from consumer_kit.store.connections import Database

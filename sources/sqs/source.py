@@ -18,10 +18,10 @@ from typing import Any
 
 from prometheus_client import Counter
 
-from consumer_kit.delivery import Delivery, Dispatch, KeyMapper, Result, Settlement
+from consumer_kit.delivery import Delivery, Dispatch, KeyMapper, RefusedReplay, Replayed, Result, Settlement
 from consumer_kit.errors import ConfigurationError
 from consumer_kit.keys import KeyDigester
-from consumer_kit.replay import REPLAY_HEADER, RefusedReplay, Replayed, Send, unseal
+from consumer_kit.replay import REPLAY_HEADER, Send, unseal
 from consumer_kit.settings import Settings
 from sources.envelopes import ENVELOPES, EnvelopedSource, KeyFunction, is_s3_test_event, require_cloudevents, unwrap
 from sources.sqs.client import BATCH_MAX, MAX_VISIBILITY_SECONDS, BatchAction, SqsClient, error_code, explain, log
