@@ -25,6 +25,7 @@ from consumer_kit.retry import RetryPolicy
 from consumer_kit.settings import Settings
 from consumer_kit.store import DeadLetters, Inbox, Outbox, create_engine, ensure_schema, utcnow
 from consumer_kit.store.connections import Database
+from consumer_kit.store.database import AppMigrations
 from consumer_kit.store.inbox import Clock
 
 if TYPE_CHECKING:
@@ -209,7 +210,7 @@ class ConsumerApp:
         digester = settings.digester()  # fails fast on a missing production HMAC key
         engine = create_engine(settings.database_url, pool_size=settings.db_pool_size)
         try:
-            await ensure_schema(engine)
+            await ensure_schema(engine, app=AppMigrations.from_settings(settings))
         except BaseException:
             await engine.dispose()
             raise

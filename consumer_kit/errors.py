@@ -4,7 +4,9 @@
 
     ConsumerKitError
     ├── ConfigurationError              the app cannot start as configured
-    │   └── SchemaOutOfDate             the database needs `consumer-kit db upgrade`
+    │   ├── DatabaseUnavailable         DATABASE_URL cannot be used: unparseable, unreachable, refused
+    │   ├── SchemaOutOfDate             the database needs `consumer-kit db upgrade`
+    │   └── SchemaMissing               a table or column a handler (or consumer-kit) uses does not exist
     ├── RetryableError                  try the delivery again later (a handler may raise it)
     │   ├── CoordinatorUnavailable      the coordinator could not be reached within the retry budget
     │   └── ReceiptLimitExceeded        the scope holds IDEMPOTENCY_MAX_RECEIPTS_PER_SCOPE live receipts
@@ -37,8 +39,20 @@ class ConfigurationError(ConsumerKitError):
     """The settings or the environment do not allow the app to start; the message says what to set."""
 
 
+class DatabaseUnavailable(ConfigurationError):
+    """``DATABASE_URL`` cannot be used: it does not parse, nothing answers there, the server refuses the
+    user, or the database does not exist. The message says which, with the URL's password hidden."""
+
+
 class SchemaOutOfDate(ConfigurationError):
-    """The database schema is older than this version of consumer-kit expects."""
+    """The database schema is older than this version of consumer-kit (or the app's migrations) expects."""
+
+
+class SchemaMissing(ConfigurationError):
+    """A statement met a table or column that does not exist: the app's own tables were not created
+    (see ``APP_MIGRATIONS``), or consumer-kit's were dropped. A deployment error, not a delivery's: the
+    delivery goes back to its source, the worker stops (``consumer-kit run`` exits 2), and nothing is
+    retried as if it were a passing failure."""
 
 
 class RetryableError(ConsumerKitError):

@@ -36,6 +36,12 @@ class Settings(BaseSettings):
         DEFAULT_DATABASE_URL,
         description="SQLAlchemy URL; sqlite:/// and postgresql:// are mapped to their async drivers.",
     )
+    app_migrations: str | None = Field(
+        None, description="The app's own Alembic revisions: a directory (or package:directory inside an installed "
+        "package). `consumer-kit db upgrade` applies them after consumer-kit's; SQLite at start too; an app refuses "
+        "to start on PostgreSQL while they are behind.")
+    app_migrations_table: str = Field(
+        "alembic_version", min_length=1, description="Where the database records which of APP_MIGRATIONS ran.")
     idempotency_hmac_key: SecretStr | None = Field(None, description="Key of the HMAC over stored keys.")
     idempotency_hmac_key_previous: SecretStr | None = Field(
         None, description="The HMAC key before a rotation; keep it one retention window, then remove it."

@@ -6,14 +6,23 @@ The store owns every SQL statement; the pipeline, the coordinator and the source
 """
 
 from consumer_kit.store.connections import Database
-from consumer_kit.store.database import create_engine, ensure_schema, schema_revisions, upgrade
-from consumer_kit.store.dead_letters import DeadLetter, DeadLetters
+from consumer_kit.store.database import (
+    AppMigrations,
+    app_revisions,
+    check_schema,
+    create_engine,
+    ensure_schema,
+    schema_revisions,
+    upgrade,
+)
+from consumer_kit.store.dead_letters import DeadLetter, DeadLetters, ParkedFilter
 from consumer_kit.store.executor import Executor
 from consumer_kit.store.inbox import Claim, ClaimStatus, Inbox, utcnow
 from consumer_kit.store.outbox import Outbox, OutboxBatch, OutboxMessage, OutboxStats, OutboxWriter
 from consumer_kit.store.tables import dead_letters, inbox, metadata, outbox
 
 __all__ = [
+    "AppMigrations",
     "Claim",
     "ClaimStatus",
     "Database",
@@ -26,6 +35,9 @@ __all__ = [
     "OutboxMessage",
     "OutboxStats",
     "OutboxWriter",
+    "ParkedFilter",
+    "app_revisions",
+    "check_schema",
     "create_engine",
     "dead_letters",
     "ensure_schema",

@@ -1,21 +1,41 @@
-"""Engines and schema management: migrations applied at start on SQLite, checked on PostgreSQL."""
+"""Engines and schema management: migrations applied at start on SQLite, checked on PostgreSQL.
+
+Two sets of migrations live in one database: consumer-kit's own (shipped in the package, bookkept in
+``consumer_kit_alembic_version``), and, when ``APP_MIGRATIONS`` names them, the app's (:class:`AppMigrations`,
+bookkept in ``alembic_version`` by default): plain Alembic revision files in a directory of the app's,
+run by an environment consumer-kit ships (``consumer_kit/app_migrations``) on the same connection,
+after consumer-kit's, in the same transaction (on PostgreSQL either both upgrades commit or neither).
+
+Every function here that connects first translates a connection that fails into
+:class:`~consumer_kit.errors.DatabaseUnavailable` (see :mod:`.diagnosis`).
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from importlib import resources
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
+from alembic.util.exc import CommandError
 from sqlalchemy import Connection, event
-from sqlalchemy.engine import ExceptionContext
+from sqlalchemy.engine import ExceptionContext, make_url
+from sqlalchemy.exc import ArgumentError, NoSuchModuleError
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
-from consumer_kit.errors import ConfigurationError, SchemaOutOfDate
+from consumer_kit.errors import ConfigurationError, DatabaseUnavailable, SchemaOutOfDate
 from consumer_kit.extras import missing_extra
+from consumer_kit.store.diagnosis import safe_url, unavailable
+
+if TYPE_CHECKING:
+    from consumer_kit.settings import Settings
 
 DEFERRED = "consumer_kit_sqlite_deferred"
 """Execution option: on SQLite, begin this connection's transactions DEFERRED instead of IMMEDIATE."""
@@ -28,19 +48,33 @@ def create_engine(url: str, *, pool_size: int = 20) -> AsyncEngine:
     """An async engine for ``url`` with the settings consumer-kit relies on.
 
     SQLite gets WAL mode, a busy timeout (writers queue instead of failing at once) and
-    ``BEGIN IMMEDIATE`` so that a read-then-write transaction cannot deadlock on lock upgrade.
+    ``BEGIN IMMEDIATE`` so that a read-then-write transaction cannot deadlock on lock upgrade. A URL
+    that does not parse, or names a database consumer-kit cannot use, is a DatabaseUnavailable (whose
+    message never quotes the URL: it may hold a password).
     """
-    if url.startswith("sqlite"):
-        engine = create_async_engine(url, connect_args={"timeout": 30})
-        _sqlite_pragmas(engine)
-        return engine
     try:
+        scheme = make_url(url).drivername
+    except (ArgumentError, ValueError, TypeError):
+        raise DatabaseUnavailable(
+            "DATABASE_URL does not parse as a database URL (not shown: it may hold a password); it should read "
+            "like sqlite:///consumer-kit.db or postgresql://user:password@host:5432/database") from None
+    if scheme.split("+")[0] not in ("sqlite", "postgresql"):
+        raise DatabaseUnavailable(f"DATABASE_URL names a {scheme} database: consumer-kit works on SQLite "
+                                  "(sqlite:///file.db) and PostgreSQL (postgresql://…)")
+    try:
+        if scheme.startswith("sqlite"):
+            engine = create_async_engine(url, connect_args={"timeout": 30})
+            _sqlite_pragmas(engine)
+            return engine
         # No pre-ping: it costs a round trip per checkout. A connection that died is an error in
         # the pipeline, which retries the delivery; the pool then replaces it.
         return create_async_engine(url, pool_size=pool_size, max_overflow=pool_size, pool_recycle=1800)
     except ModuleNotFoundError as exc:
-        extra = "psycopg" if "+psycopg" in url.split("://", 1)[0] else "postgres"
-        raise ConfigurationError(str(missing_extra(extra, f"DATABASE_URL {url.split('://', 1)[0]}://…", exc))) from exc
+        extra = "psycopg" if "+psycopg" in scheme else "postgres"
+        raise ConfigurationError(str(missing_extra(extra, f"DATABASE_URL {scheme}://…", exc))) from exc
+    except (NoSuchModuleError, ArgumentError, ValueError) as exc:
+        raise DatabaseUnavailable(f"DATABASE_URL's driver {scheme!r} cannot be used ({type(exc).__name__}): "
+                                  "use sqlite:///file.db or postgresql://…") from None
 
 
 def _sqlite_pragmas(engine: AsyncEngine) -> None:
@@ -86,39 +120,147 @@ def alembic_config() -> Config:
     return config
 
 
-def _upgrade(connection: Connection, revision: str) -> None:
+@dataclass(frozen=True, slots=True)
+class AppMigrations:
+    """The app's own Alembic revisions (``APP_MIGRATIONS``): ``directory`` holds the revision files,
+    ``version_table`` is where the database records which ran."""
+
+    directory: Path
+    version_table: str = "alembic_version"
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> AppMigrations | None:
+        """``APP_MIGRATIONS`` as a directory (``path/to/versions``, or ``package:sub/dir`` inside an
+        installed package), or ``None`` when it is not set."""
+        location = settings.app_migrations
+        if not location:
+            return None
+        path = Path(location)
+        if ":" in location and not path.exists():
+            package, _, inside = location.partition(":")
+            try:
+                path = Path(str(resources.files(package) / inside))
+            except (ModuleNotFoundError, TypeError) as exc:
+                raise ConfigurationError(f"APP_MIGRATIONS {location!r}: package {package!r} cannot be imported "
+                                         f"({type(exc).__name__})") from None
+        if not path.is_dir():
+            raise ConfigurationError(f"APP_MIGRATIONS {location!r} is not a directory (of Alembic revision files)")
+        return cls(path, settings.app_migrations_table)
+
+    def config(self) -> Config:
+        """The Alembic configuration that runs these revisions with consumer-kit's app environment."""
+        config = Config()
+        config.set_main_option("script_location", str(resources.files("consumer_kit") / "app_migrations"))
+        config.set_main_option("version_locations", str(self.directory))
+        config.attributes["version_table"] = self.version_table
+        return config
+
+    def head(self) -> str | None:
+        """The newest revision in the directory (``None`` when it holds none)."""
+        try:
+            return ScriptDirectory.from_config(self.config()).get_current_head()
+        except CommandError as exc:
+            raise ConfigurationError(f"APP_MIGRATIONS {str(self.directory)!r}: {exc}") from None
+
+    def revision(self, message: str) -> Path:
+        """Write a new, empty revision file after the newest one; its path."""
+        try:
+            script = command.revision(self.config(), message=message)
+        except CommandError as exc:
+            raise ConfigurationError(f"APP_MIGRATIONS {str(self.directory)!r}: {exc}") from None
+        assert script is not None and not isinstance(script, list)
+        return Path(script.path)
+
+
+def _upgrade(connection: Connection, revision: str, app: AppMigrations | None) -> None:
     config = alembic_config()
     config.attributes["connection"] = connection
     command.upgrade(config, revision)
+    if app is not None:
+        app_config = app.config()
+        app_config.attributes["connection"] = connection
+        try:
+            command.upgrade(app_config, "heads")
+        except CommandError as exc:
+            raise ConfigurationError(f"APP_MIGRATIONS {str(app.directory)!r}: {exc}") from None
 
 
-def _current(connection: Connection) -> tuple[str | None, str | None]:
-    head = ScriptDirectory.from_config(alembic_config()).get_current_head()
-    context = MigrationContext.configure(connection, opts={"version_table": VERSION_TABLE})
-    current = context.get_current_revision()
-    return current, head
+def _current(connection: Connection, table: str = VERSION_TABLE) -> str | None:
+    return MigrationContext.configure(connection, opts={"version_table": table}).get_current_revision()
 
 
-async def upgrade(engine: AsyncEngine, revision: str = "head") -> None:
-    """Apply the migrations up to ``revision`` (what ``consumer-kit db upgrade`` runs)."""
-    async with engine.begin() as conn:
-        await conn.run_sync(_upgrade, revision)
+@contextlib.asynccontextmanager
+async def _reachable(engine: AsyncEngine) -> AsyncIterator[None]:
+    """A connection that cannot be made comes out as DatabaseUnavailable, in words."""
+    try:
+        yield
+    except (ConfigurationError, asyncio.CancelledError):
+        raise
+    except Exception as exc:
+        error = unavailable(exc, engine.url)
+        if error is None:
+            raise
+        raise error from exc
+
+
+async def upgrade(engine: AsyncEngine, revision: str = "head", *, app: AppMigrations | None = None) -> None:
+    """Apply consumer-kit's migrations up to ``revision``, then the app's (what ``consumer-kit db
+    upgrade`` runs), in one transaction."""
+    async with _reachable(engine), engine.begin() as conn:
+        await conn.run_sync(_upgrade, revision, app)
 
 
 async def schema_revisions(engine: AsyncEngine) -> tuple[str | None, str | None]:
     """``(current, head)``: the database's revision and the newest one this package ships."""
-    async with engine.connect() as conn:
-        return await conn.run_sync(_current)
+    head = ScriptDirectory.from_config(alembic_config()).get_current_head()
+    async with _reachable(engine), engine.connect() as conn:
+        return await conn.run_sync(_current), head
 
 
-async def ensure_schema(engine: AsyncEngine) -> None:
-    """Upgrade SQLite in place; refuse to run on an out-of-date PostgreSQL schema."""
+async def app_revisions(engine: AsyncEngine, app: AppMigrations) -> tuple[str | None, str | None]:
+    """``(current, head)`` of the app's migrations."""
+    head = app.head()
+    async with _reachable(engine), engine.connect() as conn:
+        return await conn.run_sync(_current, app.version_table), head
+
+
+async def ensure_schema(engine: AsyncEngine, *, app: AppMigrations | None = None) -> None:
+    """Upgrade SQLite in place (the app's migrations too); refuse to run on an out-of-date PostgreSQL
+    schema (consumer-kit's or the app's)."""
     if engine.dialect.name == "sqlite":
-        await upgrade(engine)
+        await upgrade(engine, app=app)
         return
+    await check_schema(engine, app=app)
+
+
+async def check_schema(engine: AsyncEngine, *, app: AppMigrations | None = None) -> None:
+    """Refuse (SchemaOutOfDate) a database whose schema is not at head, without changing anything; a
+    SQLite file that does not exist is refused rather than created (DatabaseUnavailable)."""
+    path = sqlite_path(engine)
+    if path is not None and not path.exists():
+        raise DatabaseUnavailable(f"there is no database at {safe_url(engine.url)} (no file {str(path)!r}): "
+                                  "nothing has run with this DATABASE_URL here yet, or it points elsewhere")
     current, head = await schema_revisions(engine)
+    if current is None:
+        raise SchemaOutOfDate(f"the database at {safe_url(engine.url)} has no consumer-kit tables: run "
+                              "`consumer-kit db upgrade` with this DATABASE_URL first")
     if current != head:
         raise SchemaOutOfDate(
-            f"the database schema is at revision {current or 'none'}, this consumer-kit needs {head}: "
+            f"the database schema is at revision {current}, this consumer-kit needs {head}: "
             "run `consumer-kit db upgrade` (with the same DATABASE_URL) first"
         )
+    if app is not None:
+        current, head = await app_revisions(engine, app)
+        if current != head:
+            raise SchemaOutOfDate(f"the app's tables are at revision {current or 'none'}, APP_MIGRATIONS holds "
+                                  f"{head}: run `consumer-kit db upgrade` first")
+
+
+def sqlite_path(engine: AsyncEngine) -> Path | None:
+    """The file of a SQLite database (``None`` for another database, or SQLite in memory)."""
+    if engine.dialect.name != "sqlite":
+        return None
+    database = engine.url.database
+    if not database or database == ":memory:" or database.startswith("file:"):
+        return None
+    return Path(database)
