@@ -90,6 +90,8 @@ class ConsumerApp:
         self._publisher: Publisher | None = None
         self._relay: asyncio.Task[None] | None = None
         self._relay_stop = asyncio.Event()
+        self._failure: ConfigurationError | None = None
+        self._stop_on_failure: list[asyncio.Event] = []
 
     def handler(
         self,
@@ -236,6 +238,7 @@ class ConsumerApp:
             digester=digester,
             http=self._http,
             coordinator=self._coordinator,
+            on_fatal=self._fail,
         )
         self._drained = asyncio.Event()
         self._drained.set()
@@ -256,6 +259,27 @@ class ConsumerApp:
             await self.stop(grace=0)
             raise
         log.info("consumer-kit started: %d source(s) on %s", len(self.specs), engine.dialect.name)
+
+    @property
+    def failure(self) -> ConfigurationError | None:
+        """The deployment error that stopped deliveries (a missing table), if one did; ``consumer-kit
+        run`` stops the app and exits with it."""
+        return self._failure
+
+    def stop_on_failure(self, stop: asyncio.Event) -> None:
+        """Set ``stop`` when a deployment error comes up (at once if one did already)."""
+        self._stop_on_failure.append(stop)
+        if self._failure is not None:
+            stop.set()
+
+    def _fail(self, error: ConfigurationError) -> None:
+        if self._failure is not None:
+            return  # reported once; the deliveries that meet it meanwhile go back to their sources
+        self._failure = error
+        log.error("%s; deliveries go back to their sources until it is fixed%s", error,
+                  ", and the worker stops" if self._stop_on_failure else "")
+        for stop in self._stop_on_failure:
+            stop.set()
 
     def _default_coordinator(self, database: Database) -> Coordinator:
         settings = self.settings

@@ -126,13 +126,17 @@ class Startable(Protocol):
 async def run_app(app: Startable, stop: asyncio.Event,
                   serving: Callable[[], Awaitable[None]] | None = None) -> None:
     """Start ``app``, then run ``serving()`` (by default: wait for ``stop``), then drain and close the app.
-    A stop during the start-up cancels it and closes what it had opened."""
+    A stop during the start-up cancels it and closes what it had opened. A deployment error the app
+    meets while serving (a missing table: ``app.failure``) stops it too, and is raised afterwards."""
     try:
         await unless_stopped(app.start(), stop)
     except StopRequested:
         await app.stop(grace=0)
         log.info("stop signal during start-up: stopped before serving")
         return
+    watch = getattr(app, "stop_on_failure", None)
+    if watch is not None:
+        watch(stop)
     try:
         if serving is not None:
             await serving()
@@ -141,3 +145,6 @@ async def run_app(app: Startable, stop: asyncio.Event,
             log.info("signal received: draining")
     finally:
         await app.stop()
+    failure = getattr(app, "failure", None)
+    if isinstance(failure, BaseException):
+        raise failure

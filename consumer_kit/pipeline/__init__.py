@@ -25,13 +25,14 @@ A delivery that cannot be keyed is parked here; everything else is one path's bu
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import httpx
 
 from consumer_kit import metrics
 from consumer_kit.coordinator.protocol import Coordinator, SessionsInTransaction
 from consumer_kit.delivery import Delivery, Outcome, RefusedReplay, Result, Settlement
-from consumer_kit.errors import InvalidKey, InvalidReplay, MissingStableId
+from consumer_kit.errors import ConfigurationError, InvalidKey, InvalidReplay, MissingStableId
 from consumer_kit.keys import KeyDigester
 from consumer_kit.pipeline.batch import Batch, BatchedPath
 from consumer_kit.pipeline.fate import Fate
@@ -51,6 +52,7 @@ from consumer_kit.pipeline.work import (
 from consumer_kit.settings import Settings
 from consumer_kit.store import DeadLetters, Inbox
 from consumer_kit.store.connections import Database
+from consumer_kit.store.diagnosis import missing_schema
 
 __all__ = ["Batch", "Handler", "HandlerSpec", "Pipeline", "format_exception", "redact", "session_request"]
 
@@ -68,6 +70,7 @@ class Pipeline:
         digester: KeyDigester,
         http: httpx.AsyncClient | None = None,
         coordinator: Coordinator | None = None,
+        on_fatal: Callable[[ConfigurationError], None] | None = None,
     ) -> None:
         self.settings = settings
         self.database = database
@@ -75,7 +78,7 @@ class Pipeline:
         self.dead_letters = dead_letters
         self.digester = digester
         self.coordinator = coordinator
-        self.stores = Stores(settings, database, inbox, dead_letters, digester, http)
+        self.stores = Stores(settings, database, inbox, dead_letters, digester, http, on_fatal)
         self.fate = Fate(self.stores)
         # Asked once: can the coordinator keep a delivery's session inside the delivery's transaction?
         step = coordinator.session_step(database) if isinstance(coordinator, SessionsInTransaction) else None
@@ -102,10 +105,14 @@ class Pipeline:
             counters.delivered("cancelled")
             raise
         except Exception as exc:  # the store failed: nothing was decided, so try the delivery again
-            log.error("delivery failed before settlement (%s); retrying later", describe(exc, None),
-                      extra={"source": source})
-            result = Result(Outcome.RETRY, Settlement.RETRY_LATER, "store_error",
-                            delay=self.settings.retry_later_seconds)
+            schema = missing_schema(exc)
+            if schema is not None:  # consumer-kit's own tables are gone: no delivery can get past that
+                self.stores.fatal(schema)
+            else:
+                log.error("delivery failed before settlement (%s); retrying later", describe(exc, None),
+                          extra={"source": source})
+            result = Result(Outcome.RETRY, Settlement.RETRY_LATER, "store_error" if schema is None else
+                            "schema_missing", delay=self.settings.retry_later_seconds)
         finally:
             counters.in_flight -= 1
         if result.outcome is Outcome.PROCESSED:

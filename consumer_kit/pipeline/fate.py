@@ -6,7 +6,10 @@
   hands the delivery back to the source after ``delay``; anything else is tried again in process
   (jittered exponential backoff, ``RETRY_ATTEMPTS`` in all), then handed back; once a key has been
   delivered ``MAX_DELIVERIES`` times it is parked "retries_exhausted";
-- a lost lease (another attempt took over) -> RETRY_LATER, this attempt's writes rolled back.
+- a lost lease (another attempt took over) -> RETRY_LATER, this attempt's writes rolled back;
+- a table or column that does not exist (SchemaMissing) -> RETRY_LATER without another attempt, its
+  lease given back and its count of deliveries untouched, and the runner told (the worker stops): a
+  deployment error, not the delivery's, so it is neither parked nor retried as a passing failure.
 """
 
 from __future__ import annotations
@@ -20,9 +23,10 @@ from typing import TypeVar
 
 from consumer_kit import metrics
 from consumer_kit.delivery import Delivery, Outcome, Result, Settlement
-from consumer_kit.errors import LeaseLost, RetryableError, TerminalError
+from consumer_kit.errors import LeaseLost, RetryableError, SchemaMissing, TerminalError
 from consumer_kit.pipeline.work import HandlerSpec, Stores, Work, describe, log, usable
 from consumer_kit.store import Claim, ClaimStatus
+from consumer_kit.store.diagnosis import missing_schema
 from consumer_kit.store.executor import Executor
 
 T = TypeVar("T")
@@ -59,6 +63,9 @@ class Fate:
             except (LeaseLost, NotAcquired, TerminalError) as exc:
                 return Failed(exc)
             except Exception as exc:
+                schema = missing_schema(exc)
+                if schema is not None:
+                    return Failed(schema)
                 if (isinstance(exc, RetryableError) and exc.delay is not None) or number == settings.retry_attempts \
                         or ex.discarded:
                     return Failed(exc)
@@ -79,6 +86,12 @@ class Fate:
             return Result(Outcome.LEASE_LOST, Settlement.RETRY_LATER, "lease_lost",
                           delay=self.settings.retry_later_seconds, key_digest=work.digest)
         detail = describe(exc, work.key)
+        if isinstance(exc, SchemaMissing):
+            if give_back is not None:
+                await give_back(detail)
+            self.stores.fatal(exc)
+            return Result(Outcome.RETRY, Settlement.RETRY_LATER, "schema_missing",
+                          delay=self.settings.retry_later_seconds, key_digest=work.digest)
         if isinstance(exc, TerminalError):
             return await self.dead(work, exc.reason, detail, ex)
         limit = work.spec.max_deliveries or self.settings.max_deliveries

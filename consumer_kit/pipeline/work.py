@@ -16,6 +16,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from consumer_kit.context import Context
 from consumer_kit.coordinator.protocol import SessionReceipt, SessionRequest
 from consumer_kit.delivery import Delivery, Outcome, Source
+from consumer_kit.errors import ConfigurationError
 from consumer_kit.keys import KeyDigester, OperationKey, short
 from consumer_kit.settings import Settings
 from consumer_kit.store import Claim, DeadLetters, Inbox, OutboxWriter
@@ -120,7 +121,8 @@ class DuplicateShare:
 
 @dataclass(frozen=True, slots=True)
 class Stores:
-    """What both paths work with: the database and its stores, settings, and the handlers' helpers."""
+    """What both paths work with: the database and its stores, settings, and the handlers' helpers.
+    ``on_fatal`` is told of a deployment error no delivery can get past (a missing table)."""
 
     settings: Settings
     database: Database
@@ -128,6 +130,14 @@ class Stores:
     dead_letters: DeadLetters
     digester: KeyDigester
     http: httpx.AsyncClient | None
+    on_fatal: Callable[[ConfigurationError], None] | None = None
+
+    def fatal(self, error: ConfigurationError) -> None:
+        """Report ``error`` to whoever runs the pipeline (the app stops), or log it when nobody listens."""
+        if self.on_fatal is not None:
+            self.on_fatal(error)
+        else:
+            log.error("%s", error)
 
 
 @contextlib.asynccontextmanager
