@@ -4,9 +4,12 @@
 
     consumer-kit run module:app     run an app until SIGTERM/SIGINT, then drain (like uvicorn)
                                     (with HTTP sources: app.asgi() under uvicorn, --host/--port)
-    consumer-kit db upgrade         apply the migrations to DATABASE_URL
-    consumer-kit db check           exit 1 when DATABASE_URL's schema is out of date
-    consumer-kit dead-letters list  parked deliveries with their reasons (JSON lines)
+    consumer-kit db upgrade         apply consumer-kit's migrations to DATABASE_URL, then the app's (APP_MIGRATIONS)
+    consumer-kit db check           exit 1 when DATABASE_URL's schema (or the app's) is out of date
+    consumer-kit db revision -m M   a new, empty revision file in APP_MIGRATIONS
+    consumer-kit parked list|groups|show|replay|discard
+                                    parked deliveries (dead letters): inspect, replay, discard
+                                    (``dead-letters`` is the same command under its old name)
     consumer-kit demo               the retry-safety recipe end to end on embedded defaults
     consumer-kit coordinator serve  serve the coordinator over HTTP (COORDINATOR_TOKENS, DATABASE_URL)
     consumer-kit outbox relay       publish committed outbox rows (RABBITMQ_URL, or --app's publisher)
@@ -17,6 +20,10 @@
                                     each schedule's last and next fire and skipped ticks (JSON lines)
 
 Configuration comes from :class:`~consumer_kit.settings.Settings` (the environment) only.
+
+Errors a person can act on (a database or broker that cannot be reached, a missing schema, a bad
+``module:app``, a bad option) end the command with one line on stderr and exit code 2: no traceback,
+no password from a URL, and no file created by a command that only reads.
 """
 
 from __future__ import annotations
@@ -31,10 +38,14 @@ import logging
 import os
 import signal
 import sys
+import traceback
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
+from pydantic import ValidationError
+
+from consumer_kit import cli_parked
 from consumer_kit.app import ConsumerApp
 from consumer_kit.delivery import Outcome, Result, Settlement
 from consumer_kit.errors import ConfigurationError
@@ -42,7 +53,18 @@ from consumer_kit.extras import missing_extra
 from consumer_kit.http import has_http_sources
 from consumer_kit.settings import Settings
 from consumer_kit.signals import StopRequested, StopSignals, run_app
-from consumer_kit.store import Database, DeadLetters, create_engine, ensure_schema, schema_revisions, upgrade
+from consumer_kit.store import (
+    AppMigrations,
+    Database,
+    app_revisions,
+    check_schema,
+    create_engine,
+    ensure_schema,
+    schema_revisions,
+    upgrade,
+)
+from consumer_kit.store.database import sqlite_path
+from consumer_kit.store.diagnosis import safe_url
 
 if TYPE_CHECKING:
     from consumer_kit.pipeline import HandlerSpec
@@ -53,17 +75,55 @@ T = TypeVar("T")
 log = logging.getLogger("consumer_kit.cli")
 
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
 def load_app(target: str) -> ConsumerApp:
-    """Import ``module:attribute`` (the current directory is importable) and return the app."""
+    """Import ``module:attribute`` (the current directory is importable) and return the app; a target
+    that cannot be loaded is a ConfigurationError that says why in one line."""
     module_name, _, attribute = target.partition(":")
     if not module_name or not attribute:
-        raise SystemExit(f"expected module:app, got {target!r}")
+        raise ConfigurationError(f"expected module:app (say myapp:app), got {target!r}")
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
-    app = getattr(importlib.import_module(module_name), attribute, None)
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name is not None and (module_name == exc.name or module_name.startswith(exc.name + ".")):
+            raise ConfigurationError(f"cannot import {module_name!r} (from {target}): no such module here "
+                                     f"(run from the directory that holds it, or install it)") from None
+        raise ConfigurationError(f"importing {module_name!r} failed: {_where_raised(exc)}") from None
+    except (ConfigurationError, StopRequested):
+        raise
+    except Exception as exc:  # the app's own module raised while it was imported: say where
+        raise ConfigurationError(f"importing {module_name!r} failed: {_where_raised(exc)}") from None
+    if not hasattr(module, attribute):
+        raise ConfigurationError(f"module {module_name!r} has no attribute {attribute!r} (from {target})")
+    app = getattr(module, attribute)
     if not isinstance(app, ConsumerApp):
-        raise SystemExit(f"{target} is not a consumer_kit.ConsumerApp")
+        raise ConfigurationError(f"{target} is a {type(app).__name__}, not a consumer_kit.ConsumerApp")
     return app
+
+
+def _where_raised(exc: BaseException) -> str:
+    """``Type: message (file, line N)`` of the innermost frame in the app's own code."""
+    frames = [frame for frame in traceback.extract_tb(exc.__traceback__)
+              if "importlib" not in frame.filename and not frame.filename.startswith("<frozen")]
+    place = f" ({os.path.relpath(frames[-1].filename)}, line {frames[-1].lineno})" if frames else ""
+    if isinstance(exc, SyntaxError) and exc.filename:
+        place = f" ({os.path.relpath(exc.filename)}, line {exc.lineno})"
+    message = exc.msg if isinstance(exc, SyntaxError) else str(exc)
+    return f"{type(exc).__name__}: {message.splitlines()[0] if message else ''}{place}"
+
+
+def _settings() -> Settings:
+    """The settings from the environment; a value that does not validate is a one-line error."""
+    try:
+        return Settings()
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']).upper()}: {e['msg']}"
+                             for e in exc.errors(include_input=False, include_url=False))
+        raise ConfigurationError(f"invalid setting: {problems}") from None
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -99,34 +159,35 @@ async def _with_stop(signals: StopSignals, main: Callable[[asyncio.Event], Await
 
 
 async def _db(action: str) -> int:
-    settings = Settings()
+    settings = _settings()
+    app = AppMigrations.from_settings(settings)
     engine = create_engine(settings.database_url)
     try:
         if action == "upgrade":
-            await upgrade(engine)
+            await upgrade(engine, app=app)
+        else:
+            path = sqlite_path(engine)
+            if path is not None and not path.exists():  # a check never creates the file it checks
+                raise ConfigurationError(f"there is no database at {safe_url(engine.url)}: nothing has run with "
+                                         "this DATABASE_URL here yet (`consumer-kit db upgrade` makes it)")
         current, head = await schema_revisions(engine)
         print(f"schema revision {current or 'none'} (head {head})")
-        return 0 if current == head else 1
+        ok = current == head
+        if app is not None:
+            current, head = await app_revisions(engine, app)
+            print(f"app schema revision {current or 'none'} (head {head or 'none'}, APP_MIGRATIONS)")
+            ok = ok and current == head
+        return 0 if ok else 1
     finally:
         await engine.dispose()
 
 
-async def _dead_letters(args: argparse.Namespace) -> int:
-    settings = Settings()
-    engine = create_engine(settings.database_url)
-    try:
-        letters = await DeadLetters(Database(engine)).list(consumer=args.consumer, reason=args.reason, limit=args.limit)
-    finally:
-        await engine.dispose()
-    for letter in letters:
-        # The key appears only as the first digits of its keyed digest, as everywhere else.
-        print(json.dumps({
-            "id": letter.id, "created_at": letter.created_at.isoformat(), "consumer": letter.consumer,
-            "source": letter.source, "namespace": letter.namespace, "version": letter.version,
-            "key_digest": letter.key_digest[:16] if letter.key_digest else None, "reason": letter.reason,
-            "detail": letter.detail, "attempts": letter.attempts, "body_bytes": len(letter.body),
-            "body": letter.body.decode("utf-8", "replace") if args.bodies else None,
-        }))
+def _db_revision(args: argparse.Namespace) -> int:
+    app = AppMigrations.from_settings(_settings())
+    if app is None:
+        raise ConfigurationError("APP_MIGRATIONS is not set: set it to the directory for your app's revisions "
+                                 "(say myapp/migrations), then run this again")
+    print(app.revision(args.message))
     return 0
 
 
@@ -147,7 +208,7 @@ def _coordinator_serve(args: argparse.Namespace) -> int:
             from consumer_kit.coordinator.server import serve
         except ModuleNotFoundError as exc:
             raise ConfigurationError(str(missing_extra("coordinator", "the coordinator server", exc))) from exc
-        settings = Settings()
+        settings = _settings()
         signals.defer()
     except StopRequested:
         log.info("stop signal before start-up: not started")
@@ -166,7 +227,7 @@ async def _relay(app_target: str | None) -> int:
     from consumer_kit.store import Outbox
 
     app = load_app(app_target) if app_target else None
-    settings = app.settings if app is not None else Settings()
+    settings = app.settings if app is not None else _settings()
     publisher: Publisher | None = app.publisher if app is not None else None
     if publisher is None:
         from sources.rabbitmq import AmqpPublisher
@@ -178,7 +239,7 @@ async def _relay(app_target: str | None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     try:
-        await ensure_schema(engine)
+        await ensure_schema(engine, app=AppMigrations.from_settings(settings))
         await OutboxRelay(Outbox(Database(engine)), publisher, settings).run(stop)
     finally:
         await publisher.close()
@@ -255,6 +316,7 @@ async def _schedule_list(args: argparse.Namespace) -> int:
     from sources.schedules.timing import key_id
 
     app = load_app(args.app)
+    await _existing(app.settings)
 
     def instant(value: datetime | None) -> str | None:
         return None if value is None else key_id(value)
@@ -274,6 +336,15 @@ async def _schedule_list(args: argparse.Namespace) -> int:
                 "recent_skips": [{"scheduled_for": instant(s.tick), "reason": s.reason} for s in status.recent_skips],
             }))
     return 0
+
+
+async def _existing(settings: Settings) -> None:
+    """Refuse, rather than create, a database that is not there (for commands that only read)."""
+    engine = create_engine(settings.database_url, pool_size=1)
+    try:
+        await check_schema(engine)
+    finally:
+        await engine.dispose()
 
 
 def run_async(main: Coroutine[Any, Any, T]) -> T:
@@ -296,65 +367,92 @@ def _fast_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
     return uvloop.new_event_loop
 
 
+class _Parser(argparse.ArgumentParser):
+    """A usage error is one line on stderr (exit 2), not the usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Every option's help shows its default."""
+
+
+def _log_level(value: str) -> str:
+    level = value.strip().upper()
+    if level not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(f"invalid level {value!r}: choose {', '.join(LOG_LEVELS)}")
+    return level
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser (sub-commands register their own options)."""
-    parser = argparse.ArgumentParser(prog="consumer-kit", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--log-level", default=os.environ.get("LOG_LEVEL", "INFO"))
-    commands = parser.add_subparsers(dest="command", required=True)
+    parser = _Parser(prog="consumer-kit", description=__doc__.split("\n\n")[0], formatter_class=_Help)
+    parser.add_argument("--log-level", type=_log_level, default=os.environ.get("LOG_LEVEL", "INFO"),
+                        help=f"how much to log: {', '.join(LOG_LEVELS)} (also LOG_LEVEL)")
+    # --log-level works after a sub-command too; there it overrides the one before (SUPPRESS: unset
+    # leaves the top-level value alone).
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--log-level", type=_log_level, default=argparse.SUPPRESS,
+                        help=f"how much to log: {', '.join(LOG_LEVELS)} (default: LOG_LEVEL, else INFO)")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    run = commands.add_parser("run", help="run an app: module:app")
-    run.add_argument("app")
+    def command(group: Any, name: str, **kwargs: Any) -> argparse.ArgumentParser:
+        sub: argparse.ArgumentParser = group.add_parser(name, parents=[common], formatter_class=_Help, **kwargs)
+        return sub
+
+    run = command(commands, "run", help="run an app: module:app")
+    run.add_argument("app", help="module:app, the ConsumerApp to run (the current directory is importable)")
     run.add_argument("--host", default="127.0.0.1", help="where HTTP sources are served")
-    run.add_argument("--port", type=int, default=8000)
+    run.add_argument("--port", type=int, default=8000, help="the port HTTP sources are served on")
     run.set_defaults(func=_run)
 
-    db = commands.add_parser("db", help="schema management")
-    db_commands = db.add_subparsers(dest="db_command", required=True)
-    db_commands.add_parser("upgrade", help="apply the migrations").set_defaults(
-        func=lambda _a: asyncio.run(_db("upgrade")))
-    db_commands.add_parser("check", help="exit 1 when the schema is out of date").set_defaults(
+    db = command(commands, "db", help="schema management")
+    db_commands = db.add_subparsers(dest="db_command", required=True, metavar="COMMAND")
+    upgrade_command = command(db_commands, "upgrade", help="apply consumer-kit's migrations, then the app's "
+                              "(APP_MIGRATIONS)")
+    upgrade_command.set_defaults(func=lambda _a: asyncio.run(_db("upgrade")))
+    command(db_commands, "check", help="exit 1 when the schema (or the app's) is out of date").set_defaults(
         func=lambda _a: asyncio.run(_db("check")))
+    revision = command(db_commands, "revision", help="write a new, empty revision file in APP_MIGRATIONS")
+    revision.add_argument("-m", "--message", required=True, help="what the revision does (its file is named after it)")
+    revision.set_defaults(func=_db_revision)
 
-    dead = commands.add_parser("dead-letters", help="inspect parked deliveries")
-    dead_commands = dead.add_subparsers(dest="dead_command", required=True)
-    listing = dead_commands.add_parser("list", help="the newest parked deliveries, one JSON object a line")
-    listing.add_argument("--consumer")
-    listing.add_argument("--reason")
-    listing.add_argument("--limit", type=int, default=50)
-    listing.add_argument("--bodies", action="store_true", help="include the raw bodies (as UTF-8 text)")
-    listing.set_defaults(func=lambda a: asyncio.run(_dead_letters(a)))
+    cli_parked.add_commands(commands, common, _Help, asyncio.run, load_app)
 
-    demo = commands.add_parser("demo", help="the retry-safety recipe on embedded defaults")
+    demo = command(commands, "demo", help="the retry-safety recipe on embedded defaults")
     demo.add_argument("--verbose", action="store_true", help="also show the log of every step")
     demo.set_defaults(func=_demo)
 
-    coordinator = commands.add_parser("coordinator", help="the coordinator server")
-    coordinator_commands = coordinator.add_subparsers(dest="coordinator_command", required=True)
-    serve = coordinator_commands.add_parser("serve", help="serve the coordinator under uvicorn")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8080)
+    coordinator = command(commands, "coordinator", help="the coordinator server")
+    coordinator_commands = coordinator.add_subparsers(dest="coordinator_command", required=True, metavar="COMMAND")
+    serve = command(coordinator_commands, "serve", help="serve the coordinator under uvicorn")
+    serve.add_argument("--host", default="127.0.0.1", help="the address to listen on")
+    serve.add_argument("--port", type=int, default=8080, help="the port to listen on")
     serve.set_defaults(func=_coordinator_serve)
 
-    outbox = commands.add_parser("outbox", help="the transactional outbox")
-    outbox_commands = outbox.add_subparsers(dest="outbox_command", required=True)
-    relay = outbox_commands.add_parser("relay", help="publish committed outbox rows until SIGTERM")
-    relay.add_argument("--app", default=None, help="module:app whose settings and publisher to use")
+    outbox = command(commands, "outbox", help="the transactional outbox")
+    outbox_commands = outbox.add_subparsers(dest="outbox_command", required=True, metavar="COMMAND")
+    relay = command(outbox_commands, "relay", help="publish committed outbox rows until SIGTERM")
+    relay.add_argument("--app", default=None, help="module:app whose settings and publisher to use "
+                       "(default: RABBITMQ_URL's broker)")
     relay.set_defaults(func=lambda a: run_async(_relay(a.app)))
 
-    schedule = commands.add_parser("schedule", help="scheduled jobs (sources.schedules)")
-    schedule_commands = schedule.add_subparsers(dest="schedule_command", required=True)
-    fire = schedule_commands.add_parser(
-        "run", help="fire one tick through the inbox (for Kubernetes CronJobs, systemd timers)",
+    schedule = command(commands, "schedule", help="scheduled jobs (sources.schedules)")
+    schedule_commands = schedule.add_subparsers(dest="schedule_command", required=True, metavar="COMMAND")
+    fire = command(
+        schedule_commands, "run", help="fire one tick through the inbox (for Kubernetes CronJobs, systemd timers)",
         description="Fire the tick due now (the newest at or before the database's clock), or the one at "
         "--at, through the same inbox as the app's workers: two overlapping invocations run it once. Exit "
         "code: 0 processed, 3 duplicate, 4 failed (run again), 5 parked, 6 still in progress elsewhere.")
     fire.add_argument("app", help="module:app")
     fire.add_argument("name", help="the schedule's name")
-    fire.add_argument("--at", help="the tick's instant, ISO 8601 with a zone (2026-03-08T07:00:00Z)")
+    fire.add_argument("--at", help="the tick's instant, ISO 8601 with a zone (2026-03-08T07:00:00Z; default: the "
+                      "tick due now)")
     fire.add_argument("--wait", type=float, default=None,
                       help="seconds to wait for a tick another process is running (default: two leases)")
     fire.set_defaults(func=lambda a: asyncio.run(_schedule_run(a)))
-    shown = schedule_commands.add_parser("list", help="each schedule's last and next fire and skipped ticks")
+    shown = command(schedule_commands, "list", help="each schedule's last and next fire and skipped ticks")
     shown.add_argument("app", help="module:app")
     shown.add_argument("--recent", type=int, default=10, help="how many skipped and pending ticks to show")
     shown.set_defaults(func=lambda a: asyncio.run(_schedule_list(a)))
@@ -363,14 +461,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``consumer-kit`` script."""
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        level = _log_level(args.log_level)
+    except argparse.ArgumentTypeError as exc:  # a bad LOG_LEVEL in the environment
+        parser.error(f"LOG_LEVEL: {exc}")
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    logging.getLogger().setLevel(level)  # basicConfig leaves an already configured root alone
     func: Command = args.func
     try:
         return func(args)
     except ConfigurationError as exc:
         print(f"consumer-kit: {exc}", file=sys.stderr)
         return 2
+    except ImportError as exc:  # a missing optional extra: its hint is the whole message
+        print(f"consumer-kit: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
 
 
 if __name__ == "__main__":

@@ -14,6 +14,10 @@ transports bring their own.
 A relay that dies between a confirm and its commit leaves the rows unpublished; they go out again with
 the same id, which the consumer's inbox (or the destination's dedup) absorbs. Published rows are swept
 after ``OUTBOX_RETENTION_SECONDS``.
+
+A destination that cannot be reached is said at once and again at every try, with the delay before the
+next: a publisher with an ``async check()`` (``AmqpPublisher``) is connected before the first round, and
+every round whose publishes all failed logs why and when the relay tries again.
 """
 
 from __future__ import annotations
@@ -25,7 +29,9 @@ import time
 from typing import Protocol, runtime_checkable
 
 from consumer_kit import metrics
+from consumer_kit.errors import ConsumerKitError
 from consumer_kit.settings import Settings
+from consumer_kit.store.diagnosis import unavailable_because
 from consumer_kit.store.outbox import Outbox, OutboxBatch, OutboxMessage, OutboxStats
 
 log = logging.getLogger("consumer_kit.relay")
@@ -55,6 +61,7 @@ class OutboxRelay:
         self.settings = settings
         self.sweep_interval = sweep_interval_seconds or settings.sweep_interval_seconds
         self._wake = asyncio.Event()
+        self.last_failure: str | None = None  # why the last round's publishes failed
 
     def wake(self) -> None:
         """Look for due rows now instead of at the next poll."""
@@ -97,8 +104,7 @@ class OutboxRelay:
         await asyncio.gather(*(one(m) for m in batch.messages))
         if batch.failed:
             error = next(iter(batch.failed.values()))[0]
-            log.warning("outbox: %d of %d publishes failed (%s)", len(batch.failed), len(batch.messages),
-                        error)
+            self.last_failure = f"{len(batch.failed)} of {len(batch.messages)} publishes failed ({error})"
 
     async def update_metrics(self) -> OutboxStats:
         """Refresh the pending-count and oldest-age gauges."""
@@ -116,7 +122,30 @@ class OutboxRelay:
                 listening = False
                 log.warning("outbox: LISTEN failed (%s); polling only", type(exc).__name__)
             log.info("outbox relay running (%s)", "LISTEN/NOTIFY and polling" if listening else "polling")
+            await self._reach(stop)
             await self._loop(stop)
+
+    async def _reach(self, stop: asyncio.Event) -> None:
+        """Connect the publisher before the first round (when it can: ``check()``), saying at once when
+        it cannot, then trying again with a growing delay, each try logged, until it can or ``stop``."""
+        check = getattr(self.publisher, "check", None)
+        failures = 0
+        while check is not None and not stop.is_set():
+            try:
+                await asyncio.wait_for(check(), self.settings.outbox_publish_timeout_seconds)
+            except Exception as exc:
+                failures += 1
+                delay = self._backoff(failures)
+                log.warning("outbox relay: cannot publish (%s); trying again in %.1f s", _said(exc), delay)
+                await _first(stop, seconds=delay)
+                continue
+            if failures:
+                log.info("outbox relay: the destination answers again after %d failed tries", failures)
+            return
+
+    def _backoff(self, failures: int) -> float:
+        return min(self.settings.outbox_backoff_max_seconds,
+                   self.settings.outbox_backoff_seconds * 2 ** (failures - 1))
 
     async def _loop(self, stop: asyncio.Event) -> None:
         failures = 0
@@ -125,12 +154,14 @@ class OutboxRelay:
         while not stop.is_set():
             self._wake.clear()
             published = failed = 0
+            error: str | None = None
             try:
                 published, failed = await self.run_once()
                 failures = failures + 1 if failed and not published else 0
+                error = self.last_failure if failed else None
             except Exception as exc:  # the database is unreachable: back off like a failed publish
                 failures += 1
-                log.error("outbox relay round failed: %s", type(exc).__name__)
+                error = f"the round failed: {_said(exc)}"
             now = time.monotonic()
             with contextlib.suppress(Exception):
                 if now >= next_stats:
@@ -142,11 +173,21 @@ class OutboxRelay:
                                             batch_size=self.settings.sweep_batch_size)
             if published + failed >= self.settings.outbox_batch_size and not failed:
                 continue  # a full batch: more rows are probably due
-            delay = self.settings.outbox_poll_seconds
-            if failures:
-                delay = min(self.settings.outbox_backoff_max_seconds,
-                            self.settings.outbox_backoff_seconds * 2 ** (failures - 1))
+            delay = self._backoff(failures) if failures else self.settings.outbox_poll_seconds
+            if error is not None:
+                log.warning("outbox relay: %s; next round in %.1f s", error, delay)
             await _first(stop, self._wake, seconds=delay)
+
+
+def _said(exc: BaseException) -> str:
+    """An error as the relay logs it: ours (ConfigurationError) say it all; for others the type, and
+    the message of those known not to quote a URL."""
+    database = unavailable_because(exc)
+    if database is not None:
+        return f"the database: {database}"
+    if isinstance(exc, ConsumerKitError):
+        return str(exc)
+    return type(exc).__name__
 
 
 async def _first(*events: asyncio.Event, seconds: float) -> None:

@@ -52,8 +52,14 @@ def _chain(exc: BaseException) -> Iterator[BaseException]:
 
 def unavailable(exc: BaseException, url: str | URL) -> DatabaseUnavailable | None:
     """The one-line error for a failed connection to ``url``, or ``None`` when ``exc`` is not one."""
+    why = unavailable_because(exc, url)
+    return None if why is None else DatabaseUnavailable(f"cannot use the database at {safe_url(url)}: {why}")
+
+
+def unavailable_because(exc: BaseException, url: str | URL | None = None) -> str | None:
+    """Why a connection (to ``url``) failed, in words; ``None`` when ``exc`` is not a failed connection."""
     try:
-        parsed: URL | None = make_url(url)
+        parsed: URL | None = make_url(url) if url is not None else None
     except (ArgumentError, ValueError, TypeError):
         parsed = None
     user = parsed.username if parsed is not None and parsed.username else "(default)"
@@ -83,9 +89,7 @@ def unavailable(exc: BaseException, url: str | URL) -> DatabaseUnavailable | Non
             why = str(error).strip().splitlines()[0][:200] if str(error).strip() else "the connection failed"
         if why is not None:
             break
-    if why is None:
-        return None
-    return DatabaseUnavailable(f"cannot use the database at {safe_url(url)}: {why}")
+    return why
 
 
 def missing_schema(exc: BaseException) -> SchemaMissing | None:

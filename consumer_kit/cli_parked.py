@@ -1,0 +1,333 @@
+"""``consumer-kit parked``: deliveries parked with their reason (dead letters), for an operator.
+
+::
+
+    consumer-kit parked list     [filters] [--limit N] [--show-body]    newest first
+    consumer-kit parked groups   [filters]                              counts by reason and source
+    consumer-kit parked show ID  [--show-body]                          one, with its headers and history
+    consumer-kit parked replay module:app [--id ID ...] [filters] [--max N] [--rate R] [--dry-run]
+                                 [--accept-new-body] [--include-replayed]
+    consumer-kit parked discard  (--id ID ... | filters | --all) --yes
+
+Filters: ``--namespace --reason --source --consumer --since``. Output is JSON lines (``--format json``,
+the default, for scripts) or a table (``--format table``). ``dead-letters`` is the same command under
+its old name. Keys are shown only as the first 16 digits of their digest; a body only when asked.
+Replay semantics are :mod:`consumer_kit.replay`'s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import getpass
+import json
+import re
+import socket
+import sys
+from collections.abc import Callable, Sequence
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from consumer_kit.errors import ConfigurationError
+from consumer_kit.replay import ReplayReport
+from consumer_kit.settings import Settings
+from consumer_kit.store import Database, DeadLetter, DeadLetters, ParkedFilter, check_schema, create_engine
+
+Loader = Callable[[str], Any]
+"""Loads ``module:app`` (the CLI's ``load_app``)."""
+
+_DURATION = re.compile(r"^(\d+(?:\.\d+)?)\s*([smhdw])$")
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+
+
+def since(value: str) -> datetime:
+    """``--since``: a duration back from now (``30m``, ``2h``, ``7d``) or an ISO 8601 instant with a zone."""
+    found = _DURATION.match(value.strip().lower())
+    if found:
+        return datetime.now(UTC) - timedelta(seconds=float(found.group(1)) * _UNITS[found.group(2)])
+    try:
+        instant = datetime.fromisoformat(value.replace("Z", "+00:00").replace("z", "+00:00"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is neither a duration (30m, 2h, 7d) nor an ISO 8601 instant") \
+            from None
+    if instant.tzinfo is None:
+        raise argparse.ArgumentTypeError(f"{value!r} has no time zone: give one (2026-03-08T07:00:00Z)")
+    return instant
+
+
+def positive(kind: type[int] | type[float]) -> Callable[[str], Any]:
+    """An argparse type: a positive ``kind``."""
+
+    def parse(value: str) -> Any:
+        try:
+            number = kind(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{value!r} is not a number") from None
+        if number <= 0:
+            raise argparse.ArgumentTypeError(f"{value!r} must be more than 0")
+        return number
+
+    return parse
+
+
+def add_commands(commands: Any, common: argparse.ArgumentParser, formatter: type[argparse.HelpFormatter],
+                 run: Callable[[Any], int], load_app: Loader) -> None:
+    """Register ``parked`` (alias ``dead-letters``) and its sub-commands on ``commands``; ``run`` runs a
+    coroutine (``asyncio.run``), ``load_app`` loads ``module:app`` for replays."""
+    parked = commands.add_parser(
+        "parked", aliases=["dead-letters"], parents=[common], formatter_class=formatter,
+        help="inspect, replay and discard parked deliveries (dead letters)",
+        description="Deliveries parked with their reason (dead letters): list them, count them by reason and "
+        "source, show one, send them back through their handler under the same key, or discard them.")
+    sub = parked.add_subparsers(dest="parked_command", required=True, metavar="COMMAND")
+
+    def filters(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--namespace", help="only deliveries of this key namespace")
+        parser.add_argument("--reason", help="only deliveries parked for this reason (retries_exhausted, conflict, "
+                            "...)")
+        parser.add_argument("--source", help="only deliveries of this source (its name: rabbitmq:orders, ...)")
+        parser.add_argument("--consumer", help="only deliveries of this handler (its inbox scope)")
+        parser.add_argument("--since", type=since, metavar="WHEN",
+                            help="only deliveries parked since WHEN: a duration back (30m, 2h, 7d) or an ISO 8601 "
+                                 "instant with a zone")
+
+    def output(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--format", choices=("json", "table"), default="json",
+                            help="JSON lines (for scripts) or an aligned table (for people)")
+
+    listing = sub.add_parser("list", parents=[common], formatter_class=formatter,
+                             help="the newest parked deliveries")
+    filters(listing)
+    listing.add_argument("--limit", type=positive(int), default=50, help="how many to show at most")
+    listing.add_argument("--show-body", "--bodies", dest="show_body", action="store_true",
+                         help="include each raw body (as UTF-8 text)")
+    output(listing)
+    listing.set_defaults(func=lambda a: run(_list(a)))
+
+    groups = sub.add_parser("groups", parents=[common], formatter_class=formatter,
+                            help="how many are parked, by reason and source")
+    filters(groups)
+    output(groups)
+    groups.set_defaults(func=lambda a: run(_groups(a)))
+
+    show = sub.add_parser("show", parents=[common], formatter_class=formatter,
+                          help="one parked delivery, with its headers and its replays")
+    show.add_argument("id", help="the parked delivery's id (from list)")
+    show.add_argument("--show-body", action="store_true", help="include the raw body (as UTF-8 text)")
+    output(show)
+    show.set_defaults(func=lambda a: run(_show(a)))
+
+    replay = sub.add_parser(
+        "replay", parents=[common], formatter_class=formatter,
+        help="send parked deliveries back through their handler, under the same key",
+        description="Send parked deliveries back through their handler under the SAME operation key: queue "
+        "deliveries (RabbitMQ, SQS) go back on their queue for the workers; others (HTTP, schedules) run in "
+        "this process. A key done since is acknowledged as a duplicate without running. Each replay is "
+        "recorded with who did it and when. Exit code 1 when any was skipped or failed.")
+    replay.add_argument("app", help="module:app, the app whose handlers and sources the deliveries belong to")
+    replay.add_argument("--id", dest="ids", action="append", default=[], metavar="ID",
+                        help="replay this parked delivery (repeat for more); without --id, the oldest matching "
+                             "the filters")
+    filters(replay)
+    replay.add_argument("--max", type=positive(int), default=100, help="replay at most this many")
+    replay.add_argument("--rate", type=positive(float), default=None, metavar="PER_SECOND",
+                        help="send at most this many a second (default: as fast as they go)")
+    replay.add_argument("--dry-run", action="store_true", help="only say what would be sent, change nothing")
+    replay.add_argument("--accept-new-body", action="store_true",
+                        help="replay deliveries parked as a conflict too: run their body under the key, which "
+                             "was first used with another body")
+    replay.add_argument("--include-replayed", action="store_true",
+                        help="with filters, also those replayed before (--id always includes them)")
+    replay.add_argument("--actor", default=_whoami(), help="who is replaying, for the record")
+    output(replay)
+    replay.set_defaults(func=lambda a: run(_replay(a, load_app)))
+
+    discard = sub.add_parser("discard", parents=[common], formatter_class=formatter,
+                             help="delete parked deliveries for good (needs --yes)")
+    discard.add_argument("--id", dest="ids", action="append", default=[], metavar="ID",
+                         help="discard this parked delivery (repeat for more)")
+    filters(discard)
+    discard.add_argument("--all", action="store_true", help="every parked delivery (when no --id or filter is given)")
+    discard.add_argument("--yes", action="store_true", help="really delete them (without it, nothing is deleted)")
+    discard.add_argument("--actor", default=_whoami(), help="who is discarding, for the record")
+    discard.set_defaults(func=lambda a: run(_discard(a)))
+
+
+def _whoami() -> str:
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):  # no login name (a container without a passwd entry)
+        user = "unknown"
+    return f"{user}@{socket.gethostname()}"
+
+
+def _where(args: argparse.Namespace, *, replayed: bool | None = None) -> ParkedFilter:
+    return ParkedFilter(consumer=args.consumer, reason=args.reason, namespace=args.namespace, source=args.source,
+                        since=args.since, replayed=replayed)
+
+
+class _Store:
+    """The parked deliveries of ``DATABASE_URL``, for the commands that need no app: refused (not
+    created) when the database or its schema is missing."""
+
+    async def __aenter__(self) -> DeadLetters:
+        settings = Settings()
+        self.engine = create_engine(settings.database_url, pool_size=2)
+        try:
+            await check_schema(self.engine)
+        except BaseException:
+            await self.engine.dispose()
+            raise
+        self.database = Database(self.engine)
+        return DeadLetters(self.database)
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.database.close()
+        await self.engine.dispose()
+
+
+def _instant(value: datetime | None) -> str | None:
+    return None if value is None else value.isoformat()
+
+
+def _summary(letter: DeadLetter, *, body: bool) -> dict[str, Any]:
+    # The key appears only as the first digits of its keyed digest, as everywhere else; the delivery id
+    # (the key's own id) never.
+    return {
+        "id": letter.id, "created_at": _instant(letter.created_at), "consumer": letter.consumer,
+        "source": letter.source, "namespace": letter.namespace, "version": letter.version,
+        "key_digest": letter.key_digest[:16] if letter.key_digest else None, "reason": letter.reason,
+        "detail": letter.detail, "attempts": letter.attempts, "body_bytes": len(letter.body),
+        "replays": letter.replays, "replayed_at": _instant(letter.replayed_at),
+        "body": letter.body.decode("utf-8", "replace") if body else None,
+    }
+
+
+def _print(rows: Sequence[dict[str, Any]], fmt: str, columns: Sequence[str]) -> None:
+    if fmt == "json":
+        for row in rows:
+            print(json.dumps(row))
+        return
+    # A table of a few columns is a dozen lines; not worth a dependency.
+    cells = [[_cell(row.get(column)) for column in columns] for row in rows]
+    widths = [max([len(column)] + [len(line[i]) for line in cells]) for i, column in enumerate(columns)]
+    print("  ".join(column.upper().ljust(width) for column, width in zip(columns, widths, strict=True)).rstrip())
+    for line in cells:
+        print("  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip())
+    if not rows:
+        print("(none)")
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    text = str(value).replace("\n", " ")
+    return text if len(text) <= 60 else text[:59] + "…"
+
+
+async def _list(args: argparse.Namespace) -> int:
+    async with _Store() as store:
+        letters = await store.list(where=_where(args), limit=args.limit)
+    columns = ["id", "created_at", "source", "reason", "key_digest", "attempts", "replays", "detail"]
+    _print([_summary(letter, body=args.show_body) for letter in letters], args.format,
+           [*columns, "body"] if args.show_body else columns)
+    return 0
+
+
+async def _groups(args: argparse.Namespace) -> int:
+    async with _Store() as store:
+        groups = await store.groups(_where(args))
+    rows = [{"reason": g.reason, "source": g.source, "parked": g.parked, "replayed": g.replayed,
+             "oldest": _instant(g.oldest), "newest": _instant(g.newest)} for g in groups]
+    _print(rows, args.format, ["reason", "source", "parked", "replayed", "oldest", "newest"])
+    return 0
+
+
+async def _show(args: argparse.Namespace) -> int:
+    async with _Store() as store:
+        letter = await store.get(args.id)
+        history = await store.history(args.id) if letter is not None else []
+    if letter is None:
+        raise ConfigurationError(f"no parked delivery {args.id!r} (ids come from `consumer-kit parked list`)")
+    shown = {**_summary(letter, body=args.show_body), "headers": dict(letter.headers),
+             "attributes": dict(letter.attributes or {}),
+             "history": [{"action": h.action, "actor": h.actor, "at": _instant(h.acted_at), "outcome": h.outcome,
+                          "detail": h.detail} for h in history]}
+    if not args.show_body:
+        del shown["body"]
+    if args.format == "json":
+        print(json.dumps(shown))
+        return 0
+    for name, value in shown.items():
+        if name in ("headers", "attributes"):
+            print(f"{name}:")
+            for header, text in value.items():
+                print(f"  {header}: {text}")
+        elif name == "history":
+            print("history:")
+            for entry in value:
+                print(f"  {entry['at']} {entry['action']} by {entry['actor']}: {entry['outcome']}"
+                      + (f" ({entry['detail']})" if entry["detail"] else ""))
+        elif name != "body":
+            print(f"{name}: {'-' if value is None else value}")
+    if args.show_body:
+        print("body:")
+        print(shown["body"])
+    return 0
+
+
+async def _selected(store: DeadLetters, args: argparse.Namespace, *, limit: int | None,
+                    replayed: bool | None) -> list[DeadLetter]:
+    if args.ids:
+        found = [await store.get(letter_id) for letter_id in args.ids]
+        missing = [i for i, letter in zip(args.ids, found, strict=True) if letter is None]
+        if missing:
+            raise ConfigurationError(f"no parked delivery {missing[0]!r} (ids come from `consumer-kit parked list`)")
+        return [letter for letter in found if letter is not None]
+    return await store.list(where=_where(args, replayed=replayed), limit=limit or 1_000_000, oldest_first=True)
+
+
+async def _replay(args: argparse.Namespace, load_app: Loader) -> int:
+    from consumer_kit.app import ConsumerApp
+    from consumer_kit.replay import Replayer
+
+    app: ConsumerApp = load_app(args.app)
+    async with _Store() as store:  # the database and its schema exist: the app is not made to create them
+        letters = await _selected(store, args, limit=args.max,
+                                  replayed=None if args.include_replayed else False)
+    letters = letters[:args.max]
+    reports: list[ReplayReport] = []
+    async with app.running(sources=()), Replayer(app, actor=args.actor, accept_new_body=args.accept_new_body,
+                                                  dry_run=args.dry_run, rate=args.rate) as replayer:
+        for letter in letters:
+            report = await replayer.replay(letter)
+            reports.append(report)
+            if args.format == "json":
+                print(json.dumps(_reported(report)), flush=True)
+    if args.format == "table":
+        _print([_reported(r) for r in reports], "table", ["id", "source", "reason", "action", "key_digest", "detail"])
+    counts: dict[str, int] = {}
+    for report in reports:
+        counts[report.action] = counts.get(report.action, 0) + 1
+    summary = ", ".join(f"{n} {action}" for action, n in sorted(counts.items())) or "nothing matched"
+    print(f"consumer-kit: {'dry run: ' if args.dry_run else ''}{summary}", file=sys.stderr)
+    return 0 if all(report.sent for report in reports) else 1
+
+
+def _reported(report: ReplayReport) -> dict[str, Any]:
+    return {"id": report.letter.id, "source": report.letter.source, "reason": report.letter.reason,
+            "action": report.action, "key_digest": report.key_digest, "detail": report.detail}
+
+
+async def _discard(args: argparse.Namespace) -> int:
+    chosen = bool(args.ids) or any(getattr(args, name) is not None
+                                   for name in ("namespace", "reason", "source", "consumer", "since"))
+    if not chosen and not args.all:
+        raise ConfigurationError("say which to discard: --id, a filter (--reason, --source, ...), or --all")
+    async with _Store() as store:
+        letters = await _selected(store, args, limit=None, replayed=None)
+        if not args.yes:
+            raise ConfigurationError(f"{len(letters)} parked deliveries match; nothing was deleted: add --yes to "
+                                     "delete them for good")
+        gone = await store.discard(letters, actor=args.actor)
+    print(f"consumer-kit: discarded {gone} parked deliveries", file=sys.stderr)
+    return 0
