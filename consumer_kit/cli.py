@@ -388,8 +388,8 @@ def _log_level(value: str) -> str:
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser (sub-commands register their own options)."""
     parser = _Parser(prog="consumer-kit", description=__doc__.split("\n\n")[0], formatter_class=_Help)
-    parser.add_argument("--log-level", type=_log_level, default=os.environ.get("LOG_LEVEL", "INFO"),
-                        help=f"how much to log: {', '.join(LOG_LEVELS)} (also LOG_LEVEL)")
+    parser.add_argument("--log-level", type=_log_level, default=argparse.SUPPRESS,
+                        help=f"how much to log: {', '.join(LOG_LEVELS)} (default: LOG_LEVEL, else INFO)")
     # --log-level works after a sub-command too; there it overrides the one before (SUPPRESS: unset
     # leaves the top-level value alone).
     common = argparse.ArgumentParser(add_help=False)
@@ -463,10 +463,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``consumer-kit`` script."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    try:
-        level = _log_level(args.log_level)
-    except argparse.ArgumentTypeError as exc:  # a bad LOG_LEVEL in the environment
-        parser.error(f"LOG_LEVEL: {exc}")
+    level = getattr(args, "log_level", None)
+    if level is None:
+        try:
+            level = _log_level(os.environ.get("LOG_LEVEL", "INFO"))
+        except argparse.ArgumentTypeError as exc:
+            parser.error(f"LOG_LEVEL: {exc}")
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     logging.getLogger().setLevel(level)  # basicConfig leaves an already configured root alone
     func: Command = args.func

@@ -182,11 +182,11 @@ class OutboxRelay:
 def _said(exc: BaseException) -> str:
     """An error as the relay logs it: ours (ConfigurationError) say it all; for others the type, and
     the message of those known not to quote a URL."""
+    if isinstance(exc, ConsumerKitError):
+        return str(exc)
     database = unavailable_because(exc)
     if database is not None:
         return f"the database: {database}"
-    if isinstance(exc, ConsumerKitError):
-        return str(exc)
     return type(exc).__name__
 
 

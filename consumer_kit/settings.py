@@ -25,6 +25,8 @@ log = logging.getLogger("consumer_kit.settings")
 
 DEFAULT_DATABASE_URL = "sqlite+aiosqlite:///consumer-kit.db"
 _MIN_HMAC_KEY_BYTES = 16
+_KEY_ADVICE = (f"set it to a random value of at least {_MIN_HMAC_KEY_BYTES} bytes (the 43 characters of "
+               "`python -c 'import secrets; print(secrets.token_urlsafe(32))'` are plenty)")
 
 
 class Settings(BaseSettings):
@@ -146,9 +148,7 @@ class Settings(BaseSettings):
         if current is None:
             if not self.is_sqlite:
                 raise ConfigurationError(
-                    "IDEMPOTENCY_HMAC_KEY is not set. It is required for any database other than SQLite: "
-                    "set it to at least 32 random characters (for example the output of "
-                    "`python -c 'import secrets; print(secrets.token_urlsafe(32))'`)."
+                    f"IDEMPOTENCY_HMAC_KEY is not set. It is required for any database other than SQLite: {_KEY_ADVICE}"
                 )
             key = _sqlite_key_file(self.database_url)
         else:
@@ -157,7 +157,7 @@ class Settings(BaseSettings):
         prev = previous.get_secret_value().encode("utf-8") if previous else None
         for name, value in (("IDEMPOTENCY_HMAC_KEY", key), ("IDEMPOTENCY_HMAC_KEY_PREVIOUS", prev)):
             if value is not None and len(value) < _MIN_HMAC_KEY_BYTES:
-                raise ConfigurationError(f"{name} must be at least {_MIN_HMAC_KEY_BYTES} bytes long.")
+                raise ConfigurationError(f"{name} is {len(value)} bytes long: {_KEY_ADVICE}")
         return KeyDigester(key, prev)
 
     def coordinator_scopes(self) -> dict[str, tuple[str, str]]:
