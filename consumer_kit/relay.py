@@ -144,8 +144,8 @@ class OutboxRelay:
             return
 
     def _backoff(self, failures: int) -> float:
-        return min(self.settings.outbox_backoff_max_seconds,
-                   self.settings.outbox_backoff_seconds * 2 ** (failures - 1))
+        return float(min(self.settings.outbox_backoff_max_seconds,
+                   self.settings.outbox_backoff_seconds * 2 ** (failures - 1)))
 
     async def _loop(self, stop: asyncio.Event) -> None:
         failures = 0

@@ -81,7 +81,8 @@ def unseal(value: str | bytes, body: bytes, digester: KeyDigester, *, attempt: i
         if not hmac.compare_digest(str(fields.get("body")), hashlib.sha256(body).hexdigest()):
             raise _Unverified("the body is not the one it was sealed with")
         headers, attributes, delivery_id = fields.get("headers"), fields.get("attributes"), fields.get("id")
-        if not _strings(headers) or not _strings(attributes) or not isinstance(delivery_id, str | None):
+        if not isinstance(headers, dict) or not isinstance(attributes, dict) or not _strings(headers) \
+                or not _strings(attributes) or not isinstance(delivery_id, str | None):
             raise _Unverified("malformed")
         return Replayed(id=delivery_id, body=body, headers=headers, attributes=attributes, attempt=attempt,
                         sent_at=sent_at, parked_id=str(fields.get("parked")),

@@ -10,6 +10,7 @@ digest.
 
 from __future__ import annotations
 
+import builtins
 import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -156,7 +157,7 @@ class DeadLetters:
         assert row is not None
         return int(row["parked"])
 
-    async def groups(self, where: ParkedFilter | None = None) -> list[ParkedGroup]:
+    async def groups(self, where: ParkedFilter | None = None) -> builtins.list[ParkedGroup]:
         """Counts by reason and source, largest first."""
         async with self.database.connect() as ex:
             rows = await ex.fetch_all(sql.GROUP_DEAD_LETTERS, (where or ParkedFilter()).params)
@@ -164,7 +165,7 @@ class DeadLetters:
                             replayed=int(row["replayed"] or 0), oldest=row["oldest"], newest=row["newest"])
                 for row in rows]
 
-    async def history(self, letter_id: str) -> list[AuditEntry]:
+    async def history(self, letter_id: str) -> builtins.list[AuditEntry]:
         """Every replay (and the discard) of one parked delivery, oldest first."""
         async with self.database.connect() as ex:
             rows = await ex.fetch_all(sql.LIST_PARKED_AUDIT, {"dead_letter_id": letter_id})
