@@ -470,7 +470,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         except argparse.ArgumentTypeError as exc:
             parser.error(f"LOG_LEVEL: {exc}")
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    logging.getLogger().setLevel(level)  # basicConfig leaves an already configured root alone
     func: Command = args.func
     try:
         return func(args)

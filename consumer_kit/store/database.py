@@ -151,6 +151,7 @@ class AppMigrations:
         """The Alembic configuration that runs these revisions with consumer-kit's app environment."""
         config = Config()
         config.set_main_option("script_location", str(resources.files("consumer_kit") / "app_migrations"))
+        config.set_main_option("path_separator", "os")  # one directory: split on os.pathsep, which it lacks
         config.set_main_option("version_locations", str(self.directory))
         config.attributes["version_table"] = self.version_table
         return config
