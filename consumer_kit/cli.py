@@ -389,7 +389,8 @@ def build_parser() -> argparse.ArgumentParser:
     """The argument parser (sub-commands register their own options)."""
     parser = _Parser(prog="consumer-kit", description=__doc__.split("\n\n")[0], formatter_class=_Help)
     parser.add_argument("--log-level", type=_log_level, default=argparse.SUPPRESS,
-                        help=f"how much to log: {', '.join(LOG_LEVELS)} (default: LOG_LEVEL, else INFO)")
+                        help=f"how much to log: {', '.join(LOG_LEVELS)} (DEBUG: consumer-kit's own logs only; "
+                        "default: LOG_LEVEL, else INFO)")
     # --log-level works after a sub-command too; there it overrides the one before (SUPPRESS: unset
     # leaves the top-level value alone).
     common = argparse.ArgumentParser(add_help=False)
@@ -469,7 +470,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             level = _log_level(os.environ.get("LOG_LEVEL", "INFO"))
         except argparse.ArgumentTypeError as exc:
             parser.error(f"LOG_LEVEL: {exc}")
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    # DEBUG is consumer-kit's own: libraries' debug logs (aio-pika's dumps every message's properties,
+    # message ids included) stay at INFO.
+    logging.basicConfig(level=max(logging.INFO, logging.getLevelName(level)),
+                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    logging.getLogger("consumer_kit").setLevel(level)
     func: Command = args.func
     try:
         return func(args)
