@@ -51,7 +51,7 @@ from consumer_kit.delivery import Outcome, Result, Settlement
 from consumer_kit.errors import ConfigurationError
 from consumer_kit.extras import missing_extra
 from consumer_kit.http import has_http_sources
-from consumer_kit.settings import Settings
+from consumer_kit.settings import Settings, explain
 from consumer_kit.signals import StopRequested, StopSignals, run_app
 from consumer_kit.store import (
     AppMigrations,
@@ -95,6 +95,8 @@ def load_app(target: str) -> ConsumerApp:
         raise ConfigurationError(f"importing {module_name!r} failed: {_where_raised(exc)}") from None
     except (ConfigurationError, StopRequested):
         raise
+    except ValidationError as exc:  # its Settings(), read from the environment
+        raise ConfigurationError(f"importing {module_name!r} failed: invalid setting: {explain(exc)}") from None
     except Exception as exc:  # the app's own module raised while it was imported: say where
         raise ConfigurationError(f"importing {module_name!r} failed: {_where_raised(exc)}") from None
     if not hasattr(module, attribute):
@@ -117,13 +119,7 @@ def _where_raised(exc: BaseException) -> str:
 
 
 def _settings() -> Settings:
-    """The settings from the environment; a value that does not validate is a one-line error."""
-    try:
-        return Settings()
-    except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']).upper()}: {e['msg']}"
-                             for e in exc.errors(include_input=False, include_url=False))
-        raise ConfigurationError(f"invalid setting: {problems}") from None
+    return Settings.from_env()
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -170,7 +170,7 @@ class _Store:
     created) when the database or its schema is missing."""
 
     async def __aenter__(self) -> DeadLetters:
-        settings = Settings()
+        settings = Settings.from_env()
         self.engine = create_engine(settings.database_url, pool_size=2)
         try:
             await check_schema(self.engine)

@@ -15,7 +15,7 @@ import secrets
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from consumer_kit.errors import ConfigurationError
@@ -132,6 +132,15 @@ class Settings(BaseSettings):
     def _async_driver(cls, value: str) -> str:
         return async_database_url(value)
 
+    @classmethod
+    def from_env(cls) -> Settings:
+        """The settings from the environment (and ``.env``); a value that does not validate is a
+        ConfigurationError naming each variable and what is wrong, never the value (it may be a secret)."""
+        try:
+            return cls()
+        except ValidationError as exc:
+            raise ConfigurationError(f"invalid setting: {explain(exc)}") from None
+
     @property
     def is_sqlite(self) -> bool:
         """Whether the database is the embedded SQLite default (or another SQLite file)."""
@@ -189,6 +198,12 @@ class Settings(BaseSettings):
                 "pass url=... to the RabbitMQ source or publisher."
             )
         return self.rabbitmq_url.get_secret_value()
+
+
+def explain(exc: ValidationError) -> str:
+    """What is wrong with the settings, one clause per variable, without the values."""
+    return "; ".join(f"{'.'.join(str(part) for part in error['loc']).upper()}: {error['msg']}"
+                     for error in exc.errors(include_input=False, include_url=False))
 
 
 def async_database_url(url: str) -> str:

@@ -11,7 +11,6 @@ the deliveries come from that RabbitMQ queue, else from in-memory sources.
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 from sqlalchemy import Column, Integer, MetaData, String, Table, Text
 
@@ -39,10 +38,13 @@ else:
 other = InMemorySource(namespace="parked-other", version=1)
 
 
+def _fixed() -> bool:
+    return os.path.exists(os.environ.get("PARKED_TEST_FIXED_FILE", "/nonexistent"))
+
+
 async def _record(ctx: Context, consumer: str) -> None:
     body = ctx.delivery.json()
-    fixed = Path(os.environ.get("PARKED_TEST_FIXED_FILE", "/nonexistent"))
-    if body.get("park") and not fixed.exists():
+    if body.get("park") and not _fixed():
         raise TerminalError("the app is not ready for it yet", reason="not_ready")
     await ctx.db.execute(effects.insert().values(consumer=consumer, body=ctx.delivery.text()))
 

@@ -34,6 +34,14 @@ async def queue() -> AsyncIterator[str]:
     await delete_queues(name)
 
 
+def start_worker(env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    """``consumer-kit run`` the app; ``--log-level`` after the sub-command: it logs its duplicates."""
+    with log.open("wb") as output:
+        return subprocess.Popen(
+            [str(Path(sys.executable).with_name("consumer-kit")), "run", f"{APP}:app", "--log-level", "DEBUG"],
+            cwd=ROOT, env=env, stdout=output, stderr=subprocess.STDOUT)
+
+
 async def test_a_parked_rabbitmq_message_replays_once_then_as_a_duplicate(
         pg_url: str, queue: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     await truncate_all(pg_url)
@@ -47,10 +55,7 @@ async def test_a_parked_rabbitmq_message_replays_once_then_as_a_duplicate(
     observer = ConsumerApp(make_settings(pg_url, db_pool_size=2, app_migrations=env["APP_MIGRATIONS"]))
     await declare(queue)
     log = tmp_path / "worker.log"
-    with log.open("wb") as output:
-        worker = subprocess.Popen(  # --log-level after the sub-command: the worker logs its duplicates
-            [str(Path(sys.executable).with_name("consumer-kit")), "run", f"{APP}:app", "--log-level", "DEBUG"],
-            cwd=ROOT, env={**os.environ, **env}, stdout=output, stderr=subprocess.STDOUT)
+    worker = start_worker({**os.environ, **env}, log)
     try:
         async with observer.running(sources=()):
             async with observer.engine.begin() as conn:
