@@ -221,7 +221,10 @@ class Replayer:
                 report = self._reported(letter, await self._run(spec, delivery), digest)
         except Exception as exc:  # this one could not be sent (too large, refused): the others go on
             report = ReplayReport(letter, "failed", redact(f"{type(exc).__name__}: {exc}", key)[:300], digest)
-        await self.app.dead_letters.replayed(letter, actor=self.actor, outcome=report.action, detail=report.detail)
+        # A replay that failed (in process, or to be sent) is recorded but not counted: the next replay
+        # without --id takes it again.
+        await self.app.dead_letters.replayed(letter, actor=self.actor, outcome=report.action, detail=report.detail,
+                                             counted=report.action not in ("retry", "failed"))
         return report
 
     async def _run(self, spec: HandlerSpec, delivery: Replayed) -> Result:

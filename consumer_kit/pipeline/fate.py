@@ -165,7 +165,10 @@ class Fate:
                 on, consumer=spec.consumer, source=spec.source.name, namespace=spec.source.namespace,
                 version=spec.source.version, key_digest=digest, reason=reason, detail=detail,
                 body=delivery.body, headers=delivery.headers, attempts=attempts,
-                delivery_id=delivery.id, attributes=delivery.attributes, fingerprint=delivery.fingerprint(),
+                # The id only of a keyed delivery: its key was valid, so the id fits the column (an
+                # invalid one may be longer, or hold a NUL PostgreSQL cannot store) and serves a replay.
+                delivery_id=delivery.id if digest is not None else None, attributes=delivery.attributes,
+                fingerprint=delivery.fingerprint(),
             )
         metrics.DEAD_LETTERS.labels(spec.source.name, reason).inc()
         if digest is None:

@@ -171,10 +171,13 @@ class DeadLetters:
             rows = await ex.fetch_all(sql.LIST_PARKED_AUDIT, {"dead_letter_id": letter_id})
         return [AuditEntry(**dict(row)) for row in rows]
 
-    async def replayed(self, letter: DeadLetter, *, actor: str, outcome: str, detail: str | None = None) -> None:
-        """Record that ``actor`` replayed ``letter`` now, and what came of it (one transaction)."""
+    async def replayed(self, letter: DeadLetter, *, actor: str, outcome: str, detail: str | None = None,
+                       counted: bool = True) -> None:
+        """Record that ``actor`` replayed ``letter`` now, and what came of it (one transaction).
+        ``counted``: it went somewhere (its replay count grows); a replay that failed to is only recorded."""
         async with self.database.transaction() as ex:
-            await ex.execute(sql.MARK_REPLAYED, {"id": letter.id, "now": self.clock()})
+            if counted:
+                await ex.execute(sql.MARK_REPLAYED, {"id": letter.id, "now": self.clock()})
             await self._audit(ex, letter, action="replay", actor=actor, outcome=outcome, detail=detail)
 
     async def discard(self, letters: Sequence[DeadLetter], *, actor: str) -> int:
