@@ -10,6 +10,7 @@ import functools
 import json
 from datetime import UTC, datetime, timedelta
 
+import httpx
 import pytest
 
 from consumer_kit import ConsumerApp, Context, Settings, TerminalError
@@ -18,7 +19,7 @@ from consumer_kit.keys import KeyDigester
 from consumer_kit.replay import REPLAY_HEADER, Replayer, seal, unseal
 from sources.schedules import ManualClock, Schedule, ScheduleDelivery
 from sources.sqs import SQSSource
-from tests.conftest import TEST_HMAC_KEY
+from tests.conftest import TEST_HMAC_KEY, make_settings
 from tests.integration.rabbit import wait_until
 from tests.integration.sqs_env import Moto, attribute
 
@@ -139,3 +140,35 @@ async def test_a_parked_schedule_tick_replays_in_process_and_settles(sqlite_url:
         [shown] = await app.dead_letters.list()
         assert shown.replays == 2
         assert [entry.outcome for entry in await app.dead_letters.history(letter.id)] == ["processed", "duplicate"]
+
+
+async def test_a_parked_cloudevent_replays_in_process_as_the_same_request(sqlite_url: str) -> None:
+    """A structured-mode event is fingerprinted by its canonical form, not by the body as sent: its
+    replay keeps that fingerprint, so it is the same request to the inbox (not a conflict)."""
+    from sources.cloudevents import CloudEventsSource
+
+    app = ConsumerApp(make_settings(sqlite_url))
+    source = CloudEventsSource(path="/events", namespace="shop-events", version=1, bearer_tokens=["t" * 24])
+    seen: list[tuple[str, object]] = []
+    fixed = False
+
+    @app.handler(source, name="shop-events")
+    async def on_event(ctx: Context) -> None:
+        if not fixed:
+            raise TerminalError("the catalogue is offline", reason="catalogue_offline")
+        seen.append((ctx.delivery.headers["ce-type"], ctx.delivery.json()))
+
+    event = b'{ "specversion": "1.0", "type": "shop.order", "source": "/shop", "id": "e-1",\n  "data": {"n": 1} }'
+    async with app.running():
+        transport = httpx.ASGITransport(app=app.asgi())
+        async with httpx.AsyncClient(transport=transport, base_url="http://testserver",
+                                     headers={"authorization": "Bearer " + "t" * 24}) as client:
+            answer = await client.post("/events", content=event,
+                                       headers={"content-type": "application/cloudevents+json"})
+            assert answer.status_code == 202
+        [letter] = await app.dead_letters.list()
+        fixed = True
+        async with Replayer(app, actor="ops") as replayer:
+            assert (await replayer.replay(letter)).action == "processed"
+            assert (await replayer.replay(letter)).action == "duplicate"
+    assert seen == [("shop.order", {"n": 1})]
