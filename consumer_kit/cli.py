@@ -466,6 +466,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             level = _log_level(os.environ.get("LOG_LEVEL", "INFO"))
         except argparse.ArgumentTypeError as exc:
             parser.error(f"LOG_LEVEL: {exc}")
+    args.log_level = level  # for the commands that pass it on (uvicorn's)
     # DEBUG is consumer-kit's own: libraries' debug logs (aio-pika's dumps every message's properties,
     # message ids included) stay at INFO.
     logging.basicConfig(level=max(logging.INFO, logging.getLevelName(level)),
