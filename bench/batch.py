@@ -164,13 +164,12 @@ async def _scale(url: str) -> dict[str, tuple[float, float]]:
                 "INSERT INTO inbox (consumer, key_digest, namespace, version, fingerprint, state, attempts,"
                 " outcome, created_at, updated_at, expires_at) SELECT 'scale', md5(i::text) || md5((-i)::text),"
                 " 'bench', 1, 'fp', 'completed', 1, 'processed', now(), now(), now() + interval '7 days'"
-                " FROM generate_series(:first, :last) i"), {"first": loaded + 1, "last": rows})
+                " FROM generate_series(CAST(:first AS integer), CAST(:last AS integer)) i"), {"first": loaded + 1, "last": rows})
         loaded = rows
 
     try:
         await load(10_000)
-        async with engine.connect() as conn:
-            await conn.execute(text("COMMIT"))
+        async with engine.begin() as conn:
             await conn.execute(text("ANALYZE inbox"))  # a young deployment's statistics
         for size in (10_000, SCALE_ROWS):
             await load(size)
