@@ -184,14 +184,14 @@ class RabbitMQSource(EnvelopedSource):
 
     async def _on_message(self, message: AbstractIncomingMessage) -> None:
         self._settlements.received(message)
-        # aio-pika cancels the callbacks of a channel that closes (a broker restart, a connection cut).
-        # The delivery runs in a task of its own, shielded from that: it finishes and commits, its ack
-        # is lost with the channel, and the redelivery is acknowledged as a duplicate, which is cheaper
-        # and safer than rolling finished work back. stop() still cancels it past the shutdown grace.
+        # A channel that closes (a broker restart, a connection cut) cancels the callbacks it is
+        # running. This one only starts the delivery in a task of its own and returns; nothing awaits
+        # that task, so nothing cancels it with the callback: the delivery finishes and commits, its
+        # ack is lost with the channel, and the redelivery is acknowledged as a duplicate, which is
+        # cheaper and safer than rolling finished work back. stop() still cancels it past the grace.
         task = asyncio.ensure_future(self._deliver(message))
         self._in_flight.add(task)
         task.add_done_callback(self._in_flight.discard)
-        await asyncio.shield(task)
 
     async def _deliver(self, message: AbstractIncomingMessage) -> None:
         assert self._dispatch is not None
