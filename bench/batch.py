@@ -32,11 +32,11 @@ import aio_pika
 import asyncpg
 from sqlalchemy import text
 
-from bench.common import scratch_database, verdict
+from bench.common import queue_database, verdict
 from bench.rabbitmq import AMQP_URL, DB_CONNECTIONS, _delete, _fill, _hand_rolled
 from consumer_kit import Batch, ConsumerApp, Context, Settings
 from consumer_kit.keys import KeyDigester
-from consumer_kit.store import Database, Inbox, create_engine, upgrade
+from consumer_kit.store import Database, Inbox, create_engine
 from sources.rabbitmq import RabbitMQSource
 
 MESSAGES = int(os.environ.get("CK_BENCH_BATCH_MESSAGES", "20000"))
@@ -164,7 +164,8 @@ async def _scale(url: str) -> dict[str, tuple[float, float]]:
                 "INSERT INTO inbox (consumer, key_digest, namespace, version, fingerprint, state, attempts,"
                 " outcome, created_at, updated_at, expires_at) SELECT 'scale', md5(i::text) || md5((-i)::text),"
                 " 'bench', 1, 'fp', 'completed', 1, 'processed', now(), now(), now() + interval '7 days'"
-                " FROM generate_series(CAST(:first AS integer), CAST(:last AS integer)) i"), {"first": loaded + 1, "last": rows})
+                " FROM generate_series(CAST(:first AS integer), CAST(:last AS integer)) i"),
+                {"first": loaded + 1, "last": rows})
         loaded = rows
 
     try:
@@ -186,14 +187,8 @@ async def main() -> bool:
     logging.getLogger("consumer_kit").setLevel(logging.WARNING)
     results: dict[str, list[float]] = {}
     queues: list[str] = []
-    async with scratch_database() as dsn:
+    async with queue_database() as dsn:
         url = dsn.replace("postgresql://", "postgresql+asyncpg://")
-        engine = create_engine(url)
-        await upgrade(engine)
-        async with engine.begin() as conn:
-            await conn.execute(text("CREATE TABLE bench_inbox (message_id text PRIMARY KEY)"))
-            await conn.execute(text("CREATE TABLE bench_effects (id bigserial PRIMARY KEY, body text NOT NULL)"))
-        await engine.dispose()
         try:
             for _ in range(ROUNDS):
                 for label in ("per-message peer", "batched peer", "consumer-kit batched"):

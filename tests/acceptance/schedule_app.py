@@ -63,7 +63,8 @@ async def make_report(ctx: Context) -> None:
     tick, or fail (``REPORT_FAIL=1``)."""
     await asyncio.sleep(float(os.environ.get("REPORT_SECONDS", "0")))
     until = os.environ.get("REPORT_UNTIL")
-    while until and not os.path.exists(until):
+    # Polled: the test that creates the file is another process, which no asyncio.Event can reach.
+    while until and not await asyncio.to_thread(os.path.exists, until):  # noqa: ASYNC110
         await asyncio.sleep(0.05)
     if os.environ.get("REPORT_FAIL") == "1":
         raise RuntimeError("the report store is down")
