@@ -137,9 +137,9 @@ def answer_for(result: Result) -> Answer:
     return Answer(400 if result.outcome is Outcome.INVALID else 202, {}, body)
 
 
-def has_http_sources(sources: Iterable[object]) -> bool:
-    """Whether any of ``sources`` is served over HTTP."""
-    return any(isinstance(source, HttpSource) for source in sources)
+def http_paths(sources: Iterable[object]) -> list[str]:
+    """The paths of those of ``sources`` that are served over HTTP, in order."""
+    return [source.path for source in sources if isinstance(source, HttpSource)]
 
 
 _JSON_STRUCTURE = re.compile(r'[\[\]{}"\\]')
