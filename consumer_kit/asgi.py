@@ -137,11 +137,15 @@ async def serve(app: ServedApp, *, host: str, port: int, log_level: str = "info"
     """
     import uvicorn
 
-    from consumer_kit.httpserver import serve_until, server_config
+    from consumer_kit.httpserver import listen, serve_until, server_config
     from consumer_kit.signals import run_app, stop_event
 
-    stop = stop if stop is not None else stop_event()
-    config = server_config(app.asgi(), app.settings, host=host, port=port, lifespan="off",
-                           log_level=log_level.lower(),
-                           timeout_graceful_shutdown=int(app.settings.shutdown_grace_seconds) or None)
-    await run_app(app, stop, lambda: serve_until(uvicorn.Server(config), stop))
+    sock = listen(host, port)  # a port that is taken stops us before anything is opened
+    try:
+        stop = stop if stop is not None else stop_event()
+        config = server_config(app.asgi(), app.settings, host=host, port=port, lifespan="off",
+                               log_level=log_level.lower(),
+                               timeout_graceful_shutdown=int(app.settings.shutdown_grace_seconds) or None)
+        await run_app(app, stop, lambda: serve_until(uvicorn.Server(config), stop, sock))
+    finally:
+        sock.close()
