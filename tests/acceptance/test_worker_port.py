@@ -9,6 +9,7 @@ import os
 import re
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -158,3 +159,16 @@ def test_an_app_with_http_sources_needs_port(tmp_path: Path) -> None:
     assert done.stderr.strip().splitlines() == [
         "consumer-kit: examples.stripe_receiver:app has HTTP sources (/stripe/webhooks): give --port to serve them"]
     assert not (tmp_path / "w.db").exists()  # refused before anything was opened
+
+
+def test_a_taken_port_is_one_clear_line(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = dict(os.environ, DATABASE_URL=f"sqlite:///{tmp_path}/w.db", IDEMPOTENCY_HMAC_KEY=TEST_HMAC_KEY)
+        done = subprocess.run([*CLI, "run", "examples.quickstart:app", "--port", str(port)], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [f"consumer-kit: cannot listen on 127.0.0.1:{port}: Address already in use"]
+    assert not (tmp_path / "w.db").exists()  # refused before the app opened anything
