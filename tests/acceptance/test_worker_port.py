@@ -170,5 +170,6 @@ def test_a_taken_port_is_one_clear_line(tmp_path: Path) -> None:
         done = subprocess.run([*CLI, "run", "examples.quickstart:app", "--port", str(port)], cwd=ROOT, env=env,
                               capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
-    assert done.stderr.strip().splitlines() == [f"consumer-kit: cannot listen on 127.0.0.1:{port}: Address already in use"]
+    assert done.stderr.strip().splitlines() == [
+        f"consumer-kit: cannot listen on 127.0.0.1:{port}: Address already in use"]
     assert not (tmp_path / "w.db").exists()  # refused before the app opened anything
