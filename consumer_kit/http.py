@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from starlette.responses import Response
 
 DEFAULT_BODY_LIMIT = 262_144
-"""256 KiB: the default cap on a request body, as the coordinator's (seed 000)."""
+"""256 KiB: the default cap on a request body, as the coordinator's (``COORDINATOR_BODY_LIMIT_BYTES``)."""
 
 MAX_JSON_DEPTH = 128
 """How deeply a request's JSON may nest (arrays and objects): far more than any event or request

@@ -1,7 +1,7 @@
 """Every tunable of consumer-kit, in one pydantic-settings class.
 
-Environment names are the seeds' where the seeds name them (``IDEMPOTENCY_RETENTION_SECONDS`` and
-friends). Secrets have no defaults: on a database other than SQLite a missing
+Environment names are those of the coordinator's idempotency contract where it names them
+(``IDEMPOTENCY_RETENTION_SECONDS`` and friends). Secrets have no defaults: on a database other than SQLite a missing
 ``IDEMPOTENCY_HMAC_KEY`` is a startup error. On the embedded SQLite default the first run writes a
 random key to a file beside the database (mode 0600), so that a laptop run needs no set-up.
 """

@@ -112,7 +112,7 @@ def create_app(coordinator: EmbeddedCoordinator, tokens: dict[str, tuple[str, st
         key = keys[0] if keys else None
         if key is not None:
             try:
-                # Starlette decodes header bytes as latin-1; keys are UTF-8 (seed 000 counts UTF-8 bytes).
+                # Starlette decodes header bytes as latin-1; keys are UTF-8 (their 255-byte limit counts UTF-8 bytes).
                 key = validate_key(key.encode("latin-1").decode("utf-8"))
             except (InvalidKey, UnicodeError):
                 metrics.REQUESTS.labels("invalid").inc()
