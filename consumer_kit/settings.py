@@ -251,17 +251,18 @@ class LocalSecret:
     created: bool  # written by this call: the first run on this database
 
 
-def local_secret(database_url: str, name: str) -> LocalSecret:
+def local_secret(database_url: str, name: str, *, variable: str) -> LocalSecret:
     """A random secret for the embedded defaults, kept beside the SQLite database in ``<file>.<name>``
     (mode 0600) and written on first use, as the HMAC key is when ``IDEMPOTENCY_HMAC_KEY`` is unset.
 
-    It is how an example or a laptop run gets a secret without one having a default. On any other
-    database (or SQLite in memory) it is a :class:`ConfigurationError`: there, set the secret.
+    It is how an example or a laptop run gets a secret without one having a default, when the
+    environment ``variable`` that would hold it is unset. On any other database (or SQLite in memory)
+    it is a :class:`ConfigurationError` that names ``variable``: there, set it.
     """
     path_part = _sqlite_path(database_url) if database_url.startswith("sqlite") else None
     if path_part is None:
-        raise ConfigurationError(f"no {name} is set, and only a SQLite database file can keep one of its own: "
-                                 "set it in the environment")
+        raise ConfigurationError(f"{variable} is not set: set it (only a SQLite database file keeps a {name} "
+                                 "of its own)")
     path = Path(path_part + "." + name)
     token, created = _side_file(path)
     return LocalSecret(token.decode("utf-8"), path, created)

@@ -68,7 +68,7 @@ _given = os.environ.get(SECRET_VARIABLE)
 if _given:
     SECRET, SECRET_ORIGIN = _given, f"from {SECRET_VARIABLE}"
 else:  # the embedded defaults keep one beside the database; elsewhere this refuses, naming the variable
-    _local = local_secret(settings.database_url, "webhook-secret")
+    _local = local_secret(settings.database_url, "webhook-secret", variable=SECRET_VARIABLE)
     SECRET = _local.value
     SECRET_ORIGIN = f"{'generated into' if _local.created else 'read from'} {_local.path} ({SECRET_VARIABLE} unset)"
 

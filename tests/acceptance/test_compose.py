@@ -259,8 +259,10 @@ class Local:
             elif variable == "RABBITMQ_URL":
                 value = "amqp://guest:guest@127.0.0.1:5672/"
             environment[variable] = value
-        # Queue and topic names of the run's own, on servers other tests share.
-        environment.update(ORDERS_QUEUE=self.queue, ORDERS_TOPIC=self.queue, LOG_LEVEL="WARNING")
+        # Queue and topic names of the run's own, on servers other tests share; a short SQS long poll,
+        # which a stopping SQS worker waits out.
+        environment.update(ORDERS_QUEUE=self.queue, ORDERS_TOPIC=self.queue, LOG_LEVEL="WARNING",
+                           SQS_WAIT_TIME_SECONDS="1")
         base = {key: value for key, value in os.environ.items()
                 if not re.match(r"(IDEMPOTENCY_|COORDINATOR_|STARTER_|RABBITMQ_|SQS_|DATABASE_URL$)", key)}
         return {**base, **environment}

@@ -23,7 +23,7 @@ import pytest
 from consumer_kit.testing.server import free_port
 from tests.conftest import TEST_HMAC_KEY
 from tests.integration.rabbit import AMQP_URL, TcpProxy, declare, publish, wait_until
-from tests.processes import stop_cleanly, wait_until_served
+from tests.processes import wait_until_served
 
 ROOT = Path(__file__).resolve().parents[2]
 CLI = [sys.executable, "-m", "consumer_kit.cli"]
@@ -124,7 +124,7 @@ def listening_ports(pid: int) -> set[int]:
     return ports
 
 
-def test_without_port_a_worker_listens_nowhere_and_with_it_serves_metrics(tmp_path: Path) -> None:
+def test_without_port_a_worker_listens_nowhere(tmp_path: Path) -> None:
     env = dict(os.environ, DATABASE_URL=f"sqlite:///{tmp_path}/w.db", IDEMPOTENCY_HMAC_KEY=TEST_HMAC_KEY)
     log = tmp_path / "worker.log"
     with log.open("w") as output:
@@ -139,16 +139,6 @@ def test_without_port_a_worker_listens_nowhere_and_with_it_serves_metrics(tmp_pa
     finally:
         worker.send_signal(signal.SIGTERM)
         assert worker.wait(30) == 0, log.read_text()
-    port = free_port()
-    worker = subprocess.Popen([*CLI, "run", "examples.quickstart:app", "--port", str(port)], cwd=ROOT, env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        wait_until_served(worker, f"http://127.0.0.1:{port}/readyz")
-        assert listening_ports(worker.pid) == {port}
-        metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5)
-        assert metrics.status_code == 200 and "consumer_kit_outbox_pending" in metrics.text
-    finally:
-        stop_cleanly(worker)
 
 
 def test_an_app_with_http_sources_needs_port(tmp_path: Path) -> None:

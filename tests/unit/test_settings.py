@@ -76,11 +76,11 @@ def test_sqs_settings_come_from_the_environment(monkeypatch: pytest.MonkeyPatch)
 
 def test_a_local_secret_is_written_once_beside_a_sqlite_file_and_refused_elsewhere(tmp_path: Path) -> None:
     url = f"sqlite+aiosqlite:///{tmp_path}/app.db"
-    first = local_secret(url, "webhook-secret")
+    first = local_secret(url, "webhook-secret", variable="HOOK_SECRET")
     assert first.created and first.path == tmp_path / "app.db.webhook-secret"
     assert first.path.stat().st_mode & 0o777 == 0o600 and len(first.value) >= 32
-    again = local_secret(url, "webhook-secret")
+    again = local_secret(url, "webhook-secret", variable="HOOK_SECRET")
     assert (again.value, again.created) == (first.value, False)  # the same secret from then on
     for elsewhere in ("postgresql+asyncpg://db/app", "sqlite+aiosqlite:///:memory:"):
-        with pytest.raises(ConfigurationError, match="no webhook-secret is set"):
-            local_secret(elsewhere, "webhook-secret")
+        with pytest.raises(ConfigurationError, match=r"^HOOK_SECRET is not set: set it"):
+            local_secret(elsewhere, "webhook-secret", variable="HOOK_SECRET")
