@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable, Collection
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import httpx
@@ -16,14 +17,14 @@ from consumer_kit import metrics
 from consumer_kit.coordinator.embedded import EmbeddedCoordinator
 from consumer_kit.coordinator.http import HttpCoordinator
 from consumer_kit.coordinator.protocol import Coordinator, SessionRequest
-from consumer_kit.delivery import Delivery, Result, Source, StoreSource
+from consumer_kit.delivery import Delivery, ReportsReadiness, Result, Source, StoreSource
 from consumer_kit.errors import ConfigurationError, InvalidKey
 from consumer_kit.keys import OperationKey
 from consumer_kit.pipeline import Batch, Handler, HandlerSpec, Pipeline
 from consumer_kit.relay import OutboxRelay, Publisher
 from consumer_kit.retry import RetryPolicy
 from consumer_kit.settings import Settings
-from consumer_kit.store import DeadLetters, Inbox, Outbox, create_engine, ensure_schema, utcnow
+from consumer_kit.store import DeadLetters, Inbox, Outbox, create_engine, ensure_schema, schema_revisions, utcnow
 from consumer_kit.store.connections import Database
 from consumer_kit.store.inbox import Clock
 
@@ -34,8 +35,22 @@ log = logging.getLogger("consumer_kit.app")
 
 # After the grace period, cancelled deliveries get this long to roll back and give their leases back.
 SETTLE_AFTER_CANCEL_SECONDS = 5.0
+# A readiness probe that waits longer than this for the database calls it unreachable (probes time out).
+READINESS_DATABASE_SECONDS = 5.0
 
 H = TypeVar("H", bound=Handler)
+
+
+@dataclass(frozen=True, slots=True)
+class Readiness:
+    """Whether the app takes work now (what ``/readyz`` answers) and, if not, why: ``not_started``
+    (starting, or stopping), ``database_unreachable``, ``schema_out_of_date``, or ``source_not_ready``
+    with the source's name and its own reason."""
+
+    ready: bool
+    reason: str | None = None
+    source: str | None = None
+    detail: str | None = None
 
 
 def check_source(source: object) -> None:
@@ -86,6 +101,7 @@ class ConsumerApp:
         self._drained: asyncio.Event | None = None  # set whenever _in_flight is empty (made in start())
         self._sweeper: asyncio.Task[None] | None = None
         self._started: list[Source] = []
+        self._serving = False  # every source started, and stop() not called yet
         self._publisher: Publisher | None = None
         self._relay: asyncio.Task[None] | None = None
         self._relay_stop = asyncio.Event()
@@ -254,6 +270,7 @@ class ConsumerApp:
         except BaseException:
             await self.stop(grace=0)
             raise
+        self._serving = True
         log.info("consumer-kit started: %d source(s) on %s", len(self.specs), engine.dialect.name)
 
     def _default_coordinator(self, database: Database) -> Coordinator:
@@ -294,6 +311,7 @@ class ConsumerApp:
     async def stop(self, grace: float | None = None) -> None:
         """Stop intake, drain in-flight deliveries for ``grace`` seconds, release the rest, close."""
         grace = self.settings.shutdown_grace_seconds if grace is None else grace
+        self._serving = False
         for source in self._started:
             with contextlib.suppress(Exception):
                 await source.stop()
@@ -348,6 +366,26 @@ class ConsumerApp:
             yield self
         finally:
             await self.stop()
+
+    async def readiness(self) -> Readiness:
+        """Whether the app takes work now: started (every source, and not stopping), the database
+        answering within a few seconds with its schema at head, and no source saying it is not ready
+        (a RabbitMQ source whose connection is being re-established)."""
+        if not self._serving or self._engine is None:
+            return Readiness(False, "not_started")
+        try:
+            async with asyncio.timeout(READINESS_DATABASE_SECONDS):
+                current, head = await schema_revisions(self._engine)
+        except Exception as exc:
+            return Readiness(False, "database_unreachable", detail=type(exc).__name__)
+        if current != head:
+            return Readiness(False, "schema_out_of_date", detail=f"at {current or 'none'}, needs {head}")
+        for source in self._started:
+            if isinstance(source, ReportsReadiness):
+                reason = source.unready_reason()
+                if reason is not None:
+                    return Readiness(False, "source_not_ready", source=source.name, detail=reason)
+        return Readiness(True)
 
     async def sweep(self) -> int:
         """Delete expired inbox rows now, in batches; returns how many went."""

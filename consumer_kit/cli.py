@@ -3,7 +3,9 @@
 ::
 
     consumer-kit run module:app     run an app until SIGTERM/SIGINT, then drain (like uvicorn)
-                                    (with HTTP sources: app.asgi() under uvicorn, --host/--port)
+                                    (--port N: app.asgi() under uvicorn on --host: /healthz, /readyz,
+                                    /metrics and the HTTP sources' paths; an app with HTTP sources
+                                    needs --port)
     consumer-kit db upgrade         apply the migrations to DATABASE_URL
     consumer-kit db check           exit 1 when DATABASE_URL's schema is out of date
     consumer-kit dead-letters list  parked deliveries with their reasons (JSON lines)
@@ -39,7 +41,7 @@ from consumer_kit.app import ConsumerApp
 from consumer_kit.delivery import Outcome, Result, Settlement
 from consumer_kit.errors import ConfigurationError
 from consumer_kit.extras import missing_extra
-from consumer_kit.http import has_http_sources
+from consumer_kit.http import http_paths
 from consumer_kit.settings import Settings
 from consumer_kit.signals import StopRequested, StopSignals, run_app
 from consumer_kit.store import Database, DeadLetters, create_engine, ensure_schema, schema_revisions, upgrade
@@ -71,18 +73,22 @@ def _run(args: argparse.Namespace) -> int:
     try:
         signals.install()  # before the app's module is imported: that can take a while too
         app = load_app(args.app)
-        serve_http = has_http_sources(spec.source for spec in app.specs)
-        if serve_http:
+        paths = http_paths(spec.source for spec in app.specs)
+        if paths and args.port is None:
+            raise ConfigurationError(f"{args.app} has HTTP sources ({', '.join(paths)}): give --port to serve them")
+        if args.port is not None:
             try:
                 from consumer_kit.asgi import serve
+                from consumer_kit.httpserver import server_config  # noqa: F401 (uvicorn, httptools)
             except ModuleNotFoundError as exc:
-                raise ConfigurationError(str(missing_extra("webhooks", "an app with HTTP sources", exc))) from exc
+                raise ConfigurationError(str(missing_extra(
+                    "http", "--port (health, readiness and metrics over HTTP)", exc))) from exc
         signals.defer()
     except StopRequested:
         log.info("stop signal before start-up: not started")
         return 0
     try:
-        if serve_http:
+        if args.port is not None:
             run_async(_with_stop(signals, lambda stop: serve(
                 app, host=args.host, port=args.port, log_level=args.log_level, stop=stop)))
         else:
@@ -302,10 +308,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default=os.environ.get("LOG_LEVEL", "INFO"))
     commands = parser.add_subparsers(dest="command", required=True)
 
-    run = commands.add_parser("run", help="run an app: module:app")
-    run.add_argument("app")
-    run.add_argument("--host", default="127.0.0.1", help="where HTTP sources are served")
-    run.add_argument("--port", type=int, default=8000)
+    run = commands.add_parser(
+        "run", help="run an app: module:app",
+        description="Run an app until SIGTERM/SIGINT, then drain. With --port it also serves /healthz, "
+        "/readyz and /metrics (and its HTTP sources' paths); without --port it serves nothing over HTTP.")
+    run.add_argument("app", help="module:app (the current directory is importable)")
+    run.add_argument("--host", default="127.0.0.1",
+                     help="the address --port listens on (default: %(default)s; 0.0.0.0 in a container)")
+    run.add_argument("--port", type=int, default=None,
+                     help="serve /healthz, /readyz, /metrics and the HTTP sources here (default: no HTTP "
+                     "server; an app with HTTP sources needs it)")
     run.set_defaults(func=_run)
 
     db = commands.add_parser("db", help="schema management")

@@ -251,6 +251,12 @@ class RabbitMQSource(EnvelopedSource):
         )
         await self._channel.default_exchange.publish(copy, routing_key=queue)
 
+    def unready_reason(self) -> str | None:
+        """``broker_disconnected`` while the robust connection is being re-established (``/readyz``)."""
+        if self._connection is None or not self._connection.connected.is_set():
+            return "broker_disconnected"
+        return None
+
     async def stop(self) -> None:
         """Cancel the consumer: the broker sends no more; deliveries already received go on."""
         if self._queue is not None and self._consumer_tag is not None:

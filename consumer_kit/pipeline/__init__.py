@@ -3,7 +3,7 @@
 ::
 
     key   = source.key(delivery)            no stable id / invalid key -> park, INVALID
-    claim = inbox.claim(consumer, key, fp)  txn 1, committed at once (seed 003)
+    claim = inbox.claim(consumer, key, fp)  txn 1, committed at once (a lease on the key)
       completed   -> ACK, DUPLICATE         live lease -> RETRY_LATER, IN_PROGRESS
       conflict    -> park, CONFLICT         new / expired lease -> we hold the lease
     handler(ctx)  in txn 2, which also completes the inbox row WHERE lease_token = ours

@@ -1,4 +1,5 @@
-"""The two-transaction path (seed 003), the default: safe for handlers that call out.
+"""The two-transaction path, the default: safe for handlers that call out (a lease on the key, committed
+first; then the handler's effect and the record that the delivery is done, committed together).
 
 ::
 
@@ -136,7 +137,7 @@ class LeasedPath:
                     work.log(logging.WARNING, "the coordinator session to end was not found")
 
     def _prepare_session(self, work: Work) -> tuple[Creation | None, str | None]:
-        """The handler's session request (and, with a step, its creation to ride on the claim); or
+        """The handler's session request (and, with a step, its creation to be carried by the claim); or
         why the request is invalid (a ``task`` callable that returned what no session can carry)."""
         spec = work.spec
         if not spec.wants_session or self.coordinator is None:
@@ -164,7 +165,7 @@ class LeasedPath:
 
     async def _open_session(self, ex: Executor, work: Work, creation: Creation | None) -> Result | None:
         """The coordinator step, after the claim: the session is created (or replayed: a replay of an
-        active session still runs the handler, seed 000) into ``work.receipt``; or the delivery's
+        active session still runs the handler) into ``work.receipt``; or the delivery's
         settlement: parked on a conflict or an inactive result, handed back (lease released) when the
         coordinator is unavailable past its own retry budget or at the receipt cap."""
         assert self.coordinator is not None and work.request is not None

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 from importlib import resources
 from typing import Any
 
 from alembic import command
 from alembic.config import Config
-from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import Connection, event
+from sqlalchemy import Connection, event, inspect, text
 from sqlalchemy.engine import ExceptionContext
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
@@ -92,11 +92,19 @@ def _upgrade(connection: Connection, revision: str) -> None:
     command.upgrade(config, revision)
 
 
+@functools.cache
+def head_revision() -> str | None:
+    """The newest revision this package ships (read from the migration scripts once)."""
+    return ScriptDirectory.from_config(alembic_config()).get_current_head()
+
+
 def _current(connection: Connection) -> tuple[str | None, str | None]:
-    head = ScriptDirectory.from_config(alembic_config()).get_current_head()
-    context = MigrationContext.configure(connection, opts={"version_table": VERSION_TABLE})
-    current = context.get_current_revision()
-    return current, head
+    # The version table read directly rather than through alembic's MigrationContext, which logs two
+    # INFO lines each time: too many for a readiness probe every few seconds.
+    if not inspect(connection).has_table(VERSION_TABLE):
+        return None, head_revision()
+    versions = connection.execute(text(f"SELECT version_num FROM {VERSION_TABLE}")).scalars().all()
+    return (versions[0] if len(versions) == 1 else None), head_revision()
 
 
 async def upgrade(engine: AsyncEngine, revision: str = "head") -> None:
