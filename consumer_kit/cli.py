@@ -35,6 +35,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from consumer_kit import logs
 from consumer_kit.app import ConsumerApp
 from consumer_kit.delivery import Outcome, Result, Settlement
 from consumer_kit.errors import ConfigurationError
@@ -300,6 +301,8 @@ def build_parser() -> argparse.ArgumentParser:
     """The argument parser (sub-commands register their own options)."""
     parser = argparse.ArgumentParser(prog="consumer-kit", description=__doc__.split("\n\n")[0])
     parser.add_argument("--log-level", default=os.environ.get("LOG_LEVEL", "INFO"))
+    parser.add_argument("--log-format", default=os.environ.get("LOG_FORMAT", "text").lower(),
+                        help="text, or json: one JSON object a line (default: LOG_FORMAT, else text)")
     commands = parser.add_subparsers(dest="command", required=True)
 
     run = commands.add_parser("run", help="run an app: module:app")
@@ -363,8 +366,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``consumer-kit`` script."""
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        logs.configure(args.log_level, args.log_format)
+    except ValueError as exc:
+        parser.error(str(exc))
     func: Command = args.func
     try:
         return func(args)
