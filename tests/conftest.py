@@ -1,5 +1,5 @@
 """Shared fixtures: a fresh PostgreSQL database per test run, a SQLite file per test, and the guard
-that no raw idempotency key reaches a log record or a metric sample anywhere in the suite."""
+that no raw idempotency key reaches a log record, a metric sample or a span anywhere in the suite."""
 
 from __future__ import annotations
 
@@ -11,12 +11,16 @@ import secrets
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Coroutine, Iterator
+from collections.abc import AsyncIterator, Coroutine, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
+from opentelemetry import trace
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client import REGISTRY
 from sqlalchemy import text
 
@@ -74,6 +78,28 @@ def raw_keys_in(texts: list[str]) -> list[str]:
     return sorted({k for k in keys if k in joined})
 
 
+# Every app the suite starts traces its deliveries (OpenTelemetry's SDK, spans kept in memory), so
+# that the guard reads every span name, attribute, event and link of the suite too.
+SPANS = InMemorySpanExporter()
+_SUITE_TRACER_PROVIDER = TracerProvider()
+_SUITE_TRACER_PROVIDER.add_span_processor(SimpleSpanProcessor(SPANS))
+trace.set_tracer_provider(_SUITE_TRACER_PROVIDER)
+
+
+def span_texts(spans: Sequence[ReadableSpan]) -> list[str]:
+    """Everything a span shows an operator: its name, status, and every attribute value of the span,
+    its events and its links."""
+    texts: list[str] = []
+    for span in spans:
+        texts.append(span.name)
+        texts.append(span.status.description or "")
+        attribute_sets = [span.attributes, *(e.attributes for e in span.events), *(link.attributes for link in span.links)]
+        for attributes in attribute_sets:
+            texts.extend(str(value) for value in (attributes or {}).values())
+        texts.extend(e.name for e in span.events)
+    return texts
+
+
 def metric_label_values() -> list[str]:
     return [value for family in REGISTRY.collect() for sample in family.samples
             for value in sample.labels.values()]
@@ -96,6 +122,10 @@ def no_raw_keys_in_logs_or_metrics() -> Iterator[_Capture]:
     assert not leaked, f"raw idempotency keys in log records: {len(leaked)}"
     leaked = raw_keys_in(metric_label_values())
     assert not leaked, f"raw idempotency keys in metric labels: {len(leaked)}"
+    spans = SPANS.get_finished_spans()
+    SPANS.clear()
+    leaked = raw_keys_in(span_texts(spans))
+    assert not leaked, f"raw idempotency keys in spans: {len(leaked)}"
 
 
 # ---------------------------------------------------------------------------------------------------
