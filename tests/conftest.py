@@ -93,7 +93,8 @@ def span_texts(spans: Sequence[ReadableSpan]) -> list[str]:
     for span in spans:
         texts.append(span.name)
         texts.append(span.status.description or "")
-        attribute_sets = [span.attributes, *(e.attributes for e in span.events), *(link.attributes for link in span.links)]
+        attribute_sets = [span.attributes, *(e.attributes for e in span.events),
+                          *(link.attributes for link in span.links)]
         for attributes in attribute_sets:
             texts.extend(str(value) for value in (attributes or {}).values())
         texts.extend(e.name for e in span.events)

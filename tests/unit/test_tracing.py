@@ -257,8 +257,8 @@ asyncio.run(main())
 
 
 def test_without_the_api_installed_nothing_changes(sqlite_url: str) -> None:
-    done = subprocess.run([sys.executable, "-c", BLOCKED, sqlite_url, TRACEPARENT], capture_output=True, text=True, timeout=60,
-                          cwd=Path(__file__).parents[2])
+    done = subprocess.run([sys.executable, "-c", BLOCKED, sqlite_url, TRACEPARENT], capture_output=True, text=True,
+                          timeout=60, cwd=Path(__file__).parents[2])
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split("\n")[-2] == "processed {} []"
 
