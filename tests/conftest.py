@@ -101,6 +101,42 @@ def span_texts(spans: Sequence[ReadableSpan]) -> list[str]:
     return texts
 
 
+class Spans:
+    """A tracer provider of a test's own (what it records also goes to the suite's raw-key guard)."""
+
+    def __init__(self) -> None:
+        self.exporter = InMemorySpanExporter()
+        self.provider = TracerProvider()
+        self.provider.add_span_processor(SimpleSpanProcessor(self.exporter))
+        self.provider.add_span_processor(SimpleSpanProcessor(SPANS))
+
+    @property
+    def finished(self) -> Sequence[ReadableSpan]:
+        return self.exporter.get_finished_spans()
+
+    def named(self, name: str) -> list[ReadableSpan]:
+        return [s for s in self.finished if s.name == name]
+
+    def one(self, name: str) -> ReadableSpan:
+        found = self.named(name)
+        assert len(found) == 1, [s.name for s in self.finished]
+        return found[0]
+
+    def children(self, parent: ReadableSpan) -> list[ReadableSpan]:
+        return [s for s in self.finished if s.parent is not None and s.parent.span_id == parent.context.span_id]
+
+
+@pytest.fixture
+def spans() -> Iterator[Spans]:
+    recorded = Spans()
+    yield recorded
+    recorded.provider.shutdown()
+
+
+def hex_span(span: ReadableSpan) -> tuple[str, str]:
+    return format(span.context.trace_id, "032x"), format(span.context.span_id, "016x")
+
+
 def metric_label_values() -> list[str]:
     return [value for family in REGISTRY.collect() for sample in family.samples
             for value in sample.labels.values()]

@@ -9,15 +9,12 @@ import logging
 import os
 import subprocess
 import sys
-from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import httpx
 import pytest
 from opentelemetry import trace
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.trace import SpanKind, StatusCode
 
 from consumer_kit import ConsumerApp, Context, OperationKey, Settings, TerminalError
@@ -28,47 +25,11 @@ from consumer_kit.testing import InMemorySource
 from consumer_kit.testing.server import served_coordinator
 from consumer_kit.tracing import current_headers, start
 from consumer_kit.tracing.spans import incoming
-from tests.conftest import SPANS, make_settings
+from tests.conftest import SPANS, Spans, hex_span, make_settings
 
 TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
 PARENT_ID = "b7ad6b7169203331"
 TRACEPARENT = f"00-{TRACE_ID}-{PARENT_ID}-01"
-
-
-class Spans:
-    """A tracer provider of the test's own (what it records is also shown to the suite's raw-key guard)."""
-
-    def __init__(self) -> None:
-        self.exporter = InMemorySpanExporter()
-        self.provider = TracerProvider()
-        self.provider.add_span_processor(SimpleSpanProcessor(self.exporter))
-        self.provider.add_span_processor(SimpleSpanProcessor(SPANS))
-
-    @property
-    def finished(self) -> Sequence[ReadableSpan]:
-        return self.exporter.get_finished_spans()
-
-    def named(self, name: str) -> list[ReadableSpan]:
-        return [s for s in self.finished if s.name == name]
-
-    def one(self, name: str) -> ReadableSpan:
-        found = self.named(name)
-        assert len(found) == 1, [s.name for s in self.finished]
-        return found[0]
-
-    def children(self, parent: ReadableSpan) -> list[ReadableSpan]:
-        return [s for s in self.finished if s.parent is not None and s.parent.span_id == parent.context.span_id]
-
-
-@pytest.fixture
-def spans() -> Iterator[Spans]:
-    recorded = Spans()
-    yield recorded
-    recorded.provider.shutdown()
-
-
-def hex_span(span: ReadableSpan) -> tuple[str, str]:
-    return format(span.context.trace_id, "032x"), format(span.context.span_id, "016x")
 
 
 @pytest.fixture
