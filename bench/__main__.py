@@ -13,6 +13,7 @@ BENCHMARKS = {
     "webhooks": "bench.webhooks",
     "rabbitmq": "bench.rabbitmq",
     "sqs": "bench.sqs",
+    "otel": "bench.otel",
 }
 
 
