@@ -6,8 +6,9 @@
            delivery traced, its spans exported.
 
 Each run is a worker process of its own (the only way to have "not installed" and "installed" side by
-side), consuming a queue filled beforehand; the rate is measured inside it from the first delivery to
-the last settlement, so process start-up is not counted. Rounds alternate the variants (in a rotating
+side), consuming a queue filled beforehand; its rate is measured as the rabbitmq benchmark measures it
+(from the app's start to the last settlement), with OpenTelemetry imported beforehand: neither process
+start-up nor imports are counted. Rounds alternate the variants (in a rotating
 order, since the machine's load drifts); the printed numbers are medians over rounds of each round's
 ``api / without`` rate ratio (target: within 3%) and of the SDK's extra time per delivery,
 ``1/rate(sdk) - 1/rate(without)``.
