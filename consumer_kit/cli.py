@@ -180,7 +180,8 @@ async def _relay(app_target: str | None) -> int:
         loop.add_signal_handler(sig, stop.set)
     try:
         await ensure_schema(engine)
-        await OutboxRelay(Outbox(Database(engine)), publisher, settings).run(stop)
+        await OutboxRelay(Outbox(Database(engine)), publisher, settings,
+                          tracer_provider=app.tracer_provider if app is not None else None).run(stop)
     finally:
         await publisher.close()
         await engine.dispose()
