@@ -19,7 +19,9 @@ Who calls whom::
                                                        delivery's transaction
     all of them ──> store: Inbox, DeadLetters, Outbox (on one Executor per delivery)
 
-A delivery that cannot be keyed is parked here; everything else is one path's business.
+A delivery that cannot be keyed is parked here; everything else is one path's business. When tracing
+is on (:mod:`consumer_kit.tracing`), ``process`` makes the delivery's span and each path its children
+(``span``, ``commit_span`` and ``run_handler`` in work.py); when it is off they are ``None`` checks.
 """
 
 from __future__ import annotations
