@@ -291,3 +291,30 @@ def test_log_lines_name_the_delivery_and_its_trace() -> None:
         ("orders", "9c9657ed4b02c0ec", TRACE_ID, PARENT_ID)
     assert TextFormatter().format(record).endswith(f"delivery parked: conflict trace_id={TRACE_ID} span_id={PARENT_ID}")
     assert current_headers() == {}  # no span is current here
+
+
+async def test_a_cloudevent_continues_its_request_and_links_its_own_trace(settings: Settings, spans: Spans) -> None:
+    from sources.cloudevents import CloudEventsSource
+
+    app = ConsumerApp(settings, tracer_provider=spans.provider)
+
+    @app.handler(CloudEventsSource(path="/events", namespace="shop", version=1, batch=True))
+    async def handle(ctx: Context) -> None:
+        return None
+
+    event_context = f"00-{'a' * 32}-{'b' * 16}-01"
+    binary = {"ce-specversion": "1.0", "ce-type": "order.created", "ce-source": "/shop", "ce-id": "E-1",
+              "content-type": "application/json", "ce-traceparent": event_context, "traceparent": TRACEPARENT}
+    batch = [{"specversion": "1.0", "type": "order.created", "source": "/shop", "id": "E-2", "data": {},
+              "traceparent": event_context}]
+    async with app.running(), httpx.AsyncClient(transport=httpx.ASGITransport(app.asgi()),
+                                                base_url="http://sink") as client:
+        assert (await client.post("/events", content=b"{}", headers=binary)).status_code == 200
+        # A batch without a request context: the event's own is the parent.
+        assert (await client.post("/events", json=batch,
+                                  headers={"content-type": "application/cloudevents-batch+json"})).status_code == 200
+    carried, own = spans.named("process cloudevents:shop")
+    assert carried.kind is SpanKind.SERVER and dict(carried.attributes or {})["http.route"] == "/events"
+    assert carried.parent is not None and format(carried.parent.span_id, "016x") == PARENT_ID
+    assert [format(link.context.span_id, "016x") for link in carried.links] == ["b" * 16]
+    assert own.parent is not None and format(own.parent.span_id, "016x") == "b" * 16 and not own.links
