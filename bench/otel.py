@@ -11,7 +11,8 @@ side), consuming a queue filled beforehand; its rate is measured as the rabbitmq
 start-up nor imports are counted. Rounds alternate the variants (in a rotating
 order, since the machine's load drifts); the printed numbers are medians over rounds of each round's
 ``api / without`` rate ratio (target: within 3%) and of the SDK's extra time per delivery,
-``1/rate(sdk) - 1/rate(without)``.
+``1/rate(sdk) - 1/rate(without)``. The worker's own CPU time per delivery is printed too: on a
+shared machine it moves far less with the neighbours' load than the rates do.
 
 Run: ``python -m bench otel`` with PostgreSQL and RabbitMQ on 127.0.0.1 (``CK_BENCH_OTEL_MESSAGES``,
 ``CK_BENCH_OTEL_ROUNDS``, ``CK_BENCH_OTEL_PATHS`` (``one-txn,two-txn``), and the rabbitmq benchmark's
@@ -26,6 +27,7 @@ import os
 import secrets
 import statistics
 import sys
+import time
 from importlib.abc import MetaPathFinder
 from importlib.machinery import ModuleSpec
 from typing import Any
@@ -69,8 +71,10 @@ def worker(variant: str, path: str, queue: str, count: int, url: str) -> None:
     from bench.rabbitmq import PREFETCH, _framework
     from consumer_kit.cli import run_async
 
+    cpu = time.process_time()
     rate = run_async(_framework(queue, count, PREFETCH, url, single=path == "one-txn"))
-    answer: dict[str, Any] = {"rate": rate,
+    cpu = time.process_time() - cpu  # this process's CPU (the span processor's thread included)
+    answer: dict[str, Any] = {"rate": rate, "cpu_us": cpu / count * 1e6,
                               "otel_loaded": any(name.startswith("opentelemetry") for name in sys.modules)}
     if provider is not None and exporter is not None:
         provider.force_flush()
@@ -102,6 +106,7 @@ async def main() -> bool:
     logging.getLogger("consumer_kit").setLevel(logging.WARNING)
     count = MESSAGES
     rates: dict[tuple[str, str], list[float]] = {}
+    cpus: dict[tuple[str, str], list[float]] = {}
     spans: dict[str, int] = {}
     loaded: dict[str, bool] = {}
     queues: list[str] = []
@@ -122,6 +127,7 @@ async def main() -> bool:
                         await _fill(queue, count)
                         answer = await _run(variant, path, queue, count, url)
                         rates.setdefault((path, variant), []).append(answer["rate"])
+                        cpus.setdefault((path, variant), []).append(answer["cpu_us"])
                         loaded[variant] = answer["otel_loaded"]
                         if "spans" in answer:
                             spans[path] = answer["spans"]
@@ -141,6 +147,12 @@ async def main() -> bool:
               f"msg/s  ratio {ratio:5.3f} (target within 3%: {'ok' if within else 'OUTSIDE'})")
         print(f"  {path}: sdk + in-memory exporter {statistics.median(sdk):7.0f} msg/s  overhead "
               f"{overhead:6.1f} us/delivery  ({spans.get(path, 0) / count:.1f} spans/delivery exported)")
+        cpu_without, cpu_api, cpu_sdk = (cpus[(path, v)] for v in VARIANTS)
+        cpu_ratio = statistics.median(a / w for a, w in zip(cpu_api, cpu_without, strict=True))
+        cpu_extra = statistics.median(s - w for s, w in zip(cpu_sdk, cpu_without, strict=True))
+        print(f"  {path}: worker CPU per delivery: without {statistics.median(cpu_without):6.1f} us, api "
+              f"{statistics.median(cpu_api):6.1f} us (ratio {cpu_ratio:5.3f}), sdk "
+              f"{statistics.median(cpu_sdk):6.1f} us (+{cpu_extra:5.1f} us)")
     return ok
 
 
