@@ -18,7 +18,7 @@ run: $(STAMP)
 	$(VENV)/bin/consumer-kit demo
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 3
 
 bench: $(STAMP)
 	$(PY) -m bench

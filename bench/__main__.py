@@ -12,6 +12,7 @@ BENCHMARKS = {
     "coordinator": "bench.coordinator",
     "webhooks": "bench.webhooks",
     "rabbitmq": "bench.rabbitmq",
+    "batch": "bench.batch",
     "sqs": "bench.sqs",
     "otel": "bench.otel",
 }

@@ -36,6 +36,26 @@ async def scratch_database() -> AsyncIterator[str]:
             await admin.close()
 
 
+@contextlib.asynccontextmanager
+async def queue_database() -> AsyncIterator[str]:
+    """:func:`scratch_database` migrated to head, with the hand-rolled peers' inbox and effect tables
+    (the queue benchmarks' handlers all write one ``bench_effects`` row); yields its plain URL."""
+    from sqlalchemy import text
+
+    from consumer_kit.store import create_engine, upgrade
+
+    async with scratch_database() as dsn:
+        engine = create_engine(dsn.replace("postgresql://", "postgresql+asyncpg://"))
+        try:
+            await upgrade(engine)
+            async with engine.begin() as conn:
+                await conn.execute(text("CREATE TABLE bench_inbox (message_id text PRIMARY KEY)"))
+                await conn.execute(text("CREATE TABLE bench_effects (id bigserial PRIMARY KEY, body text NOT NULL)"))
+        finally:
+            await engine.dispose()
+        yield dsn
+
+
 class PeakConnections:
     """The most connections seen at once on one database while the block runs (sampled every 10 ms,
     the sampler's own excluded): how benchmarks show that contenders used alike many."""

@@ -32,12 +32,10 @@ from collections.abc import Awaitable, Callable
 
 import aio_pika
 import asyncpg
-from sqlalchemy import text
 
-from bench.common import PeakConnections, scratch_database, verdict
+from bench.common import PeakConnections, queue_database, verdict
 from consumer_kit import ConsumerApp, Context, Settings
 from consumer_kit.coordinator import EmbeddedCoordinator
-from consumer_kit.store import create_engine, upgrade
 from sources.rabbitmq import DEFAULT_RETRY_DELAYS, RabbitMQSource
 
 AMQP_URL = os.environ.get("CK_BENCH_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/")
@@ -160,15 +158,9 @@ async def main() -> bool:
     results: dict[str, list[float]] = {}
     queues: list[str] = []
     peaks: dict[str, int] = {}
-    async with scratch_database() as dsn:
+    async with queue_database() as dsn:
         watcher = PeakConnections(dsn)
         url = dsn.replace("postgresql://", "postgresql+asyncpg://")
-        engine = create_engine(url)
-        await upgrade(engine)
-        async with engine.begin() as conn:
-            await conn.execute(text("CREATE TABLE bench_inbox (message_id text PRIMARY KEY)"))
-            await conn.execute(text("CREATE TABLE bench_effects (id bigserial PRIMARY KEY, body text NOT NULL)"))
-        await engine.dispose()
         try:
             for round_ in range(ROUNDS):
                 for label in ("raw", "hand-rolled", "one-txn", "two-txn"):

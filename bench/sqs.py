@@ -43,11 +43,9 @@ from typing import Any
 
 import asyncpg
 import boto3
-from sqlalchemy import text
 
-from bench.common import scratch_database, verdict
+from bench.common import queue_database, verdict
 from consumer_kit import ConsumerApp, Context, Delivery, Outcome, Result, Settings, Settlement
-from consumer_kit.store import create_engine, upgrade
 from sources.sqs import SQSSource
 
 MESSAGES = int(os.environ.get("CK_BENCH_SQS_MESSAGES", "500"))
@@ -212,14 +210,8 @@ async def main() -> bool:
     labels = ("raw", "alone", "hand-rolled", "one-txn", "two-txn")
     with moto_server() as endpoint:
         client = boto3.client("sqs", endpoint_url=endpoint, region_name=REGION)
-        async with scratch_database() as dsn:
+        async with queue_database() as dsn:
             url = dsn.replace("postgresql://", "postgresql+asyncpg://")
-            engine = create_engine(url)
-            await upgrade(engine)
-            async with engine.begin() as conn:
-                await conn.execute(text("CREATE TABLE bench_inbox (message_id text PRIMARY KEY)"))
-                await conn.execute(text("CREATE TABLE bench_effects (id bigserial PRIMARY KEY, body text NOT NULL)"))
-            await engine.dispose()
             for round_ in range(ROUNDS):
                 for label in labels[round_ % 2:] + labels[:round_ % 2]:  # alternate who goes first
                     queue, dlq = await asyncio.to_thread(_fill, client, label, count)

@@ -127,7 +127,7 @@ class RabbitMQSource(EnvelopedSource):
         self._consumer_tag: str | None = None
         self._dispatch: Dispatch | None = None
         self._in_flight: set[asyncio.Task[Any]] = set()
-        self._acks = _Acks()
+        self._settlements = _Settlements()
 
     def retry_queue(self, delay: float) -> str:
         """The name of the retry queue for ``delay`` seconds."""
@@ -185,15 +185,15 @@ class RabbitMQSource(EnvelopedSource):
                 await channel.close()
 
     async def _on_message(self, message: AbstractIncomingMessage) -> None:
-        self._acks.received(message)
-        # aio-pika cancels the callbacks of a channel that closes (a broker restart, a connection cut).
-        # The delivery runs in a task of its own, shielded from that: it finishes and commits, its ack
-        # is lost with the channel, and the redelivery is acknowledged as a duplicate, which is cheaper
-        # and safer than rolling finished work back. stop() still cancels it past the shutdown grace.
+        self._settlements.received(message)
+        # A channel that closes (a broker restart, a connection cut) cancels the callbacks it is
+        # running. This one only starts the delivery in a task of its own and returns; nothing awaits
+        # that task, so nothing cancels it with the callback: the delivery finishes and commits, its
+        # ack is lost with the channel, and the redelivery is acknowledged as a duplicate, which is
+        # cheaper and safer than rolling finished work back. stop() still cancels it past the grace.
         task = asyncio.ensure_future(self._deliver(message))
         self._in_flight.add(task)
         task.add_done_callback(self._in_flight.discard)
-        await asyncio.shield(task)
 
     async def _deliver(self, message: AbstractIncomingMessage) -> None:
         assert self._dispatch is not None
@@ -212,25 +212,23 @@ class RabbitMQSource(EnvelopedSource):
 
     async def _settle(self, message: AbstractIncomingMessage, delivery: Delivery, result: Result) -> None:
         if result.settlement is Settlement.ACK:
-            await self._acks.ack(message)
+            await self._settlements.ack(message)
         elif result.settlement is Settlement.DEAD_LETTER:
             if not self.dead_letter:
-                self._acks.settled(message)
-                await message.reject(requeue=False)
+                await self._settlements.reject(message, requeue=False)
                 return
             headers = {REASON_HEADER: result.reason or "dead_letter", SOURCE_QUEUE_HEADER: self.queue}
             await self._republish(message, self.dead_letter_queue, headers)
-            await self._acks.ack(message)
+            await self._settlements.ack(message)
         elif not self.retry_delays:
             # No retry queue: give the broker the message back after a short pause, so that a key
             # in progress elsewhere is not spun on at network speed.
             await asyncio.sleep(min(result.delay or 0.0, 1.0))
-            self._acks.settled(message)
-            await message.nack(requeue=True)
+            await self._settlements.nack(message, requeue=True)
         else:
             delay = self._retry_delay(delivery.attempt, result.delay)
             await self._republish(message, self.retry_queue(delay), {ATTEMPT_HEADER: delivery.attempt + 1})
-            await self._acks.ack(message)
+            await self._settlements.ack(message)
 
     def _retry_delay(self, attempt: int, wanted: float | None) -> float:
         """The configured delay for this retry: at least the pipeline's and at least this attempt's step."""
@@ -275,19 +273,28 @@ class RabbitMQSource(EnvelopedSource):
         self._dispatch = None
 
 
-class _Acks:
-    """Acknowledgements coalesced per channel. Deliveries that settle together (a batch) are acked
-    with one ``basic.ack(multiple=True)`` for the longest run of the channel's oldest unsettled
-    delivery tags that are all ready; any other is acked on its own at once, never waiting behind a
-    slow neighbour. A delivery that was not settled (cancelled: the broker takes it back when the
-    channel closes) stays in the run's way, so a multiple ack never covers it."""
+class _Settlements:
+    """Every settlement of a channel's deliveries (ack, nack, reject), sent in order by one task per
+    channel, with acks that are ready together coalesced into one ``basic.ack(multiple=True)``.
+
+    Why one sender: aiormq queues outgoing frames in a bounded queue, and a frame whose ``put`` waits
+    for room can be overtaken by a later one. A multiple ack that overtook a single ack, a nack or a
+    reject of a lower delivery tag would settle that delivery itself (a nack meant to requeue becomes
+    an ack: the message is lost) and the late frame would then close the channel with
+    PRECONDITION_FAILED "unknown delivery tag". Sent one at a time, frames cannot overtake each other,
+    and what becomes ready while one is on its way is coalesced into the next.
+
+    A multiple ack covers only the longest run of the channel's oldest unsettled deliveries that are
+    all ready to be acked; any other settlement is sent on its own, never waiting behind a slow
+    neighbour. A delivery that was never settled (cancelled: the broker takes it back when the channel
+    closes) stays in the run's way, so a multiple ack never covers it."""
 
     def __init__(self) -> None:
-        # Per channel (aiormq's, by identity), the unsettled deliveries in the order the broker sent
-        # them (delivery tags ascending).
+        # Per channel (aiormq's, by identity): the deliveries not yet settled, in the order the broker
+        # sent them (delivery tags ascending); the settlements asked for and not yet sent; the sender.
         self._unsettled: dict[object, dict[int, AbstractIncomingMessage]] = {}
-        self._ready: dict[object, dict[int, tuple[AbstractIncomingMessage, asyncio.Future[None]]]] = {}
-        self._flushing = False
+        self._asked: dict[object, dict[int, _Settlement]] = {}
+        self._senders: dict[object, asyncio.Task[None]] = {}
 
     def received(self, message: AbstractIncomingMessage) -> None:
         """A delivery arrived: it is unsettled until it is acked, rejected or nacked."""
@@ -297,58 +304,95 @@ class _Acks:
         if channel not in self._unsettled:  # a new channel (a reconnect): forget the closed ones
             for old in [c for c in self._unsettled if getattr(c, "is_closed", True)]:
                 del self._unsettled[old]
+                self._asked.pop(old, None)
         self._unsettled.setdefault(channel, {})[tag] = message
 
-    def settled(self, message: AbstractIncomingMessage) -> None:
-        """The delivery is settled otherwise (rejected, nacked) and leaves the runs."""
-        unsettled = self._unsettled.get(_channel(message))
-        if unsettled is not None and message.delivery_tag is not None:
-            unsettled.pop(message.delivery_tag, None)
-
     async def ack(self, message: AbstractIncomingMessage) -> None:
-        """Ack ``message``, together with the others that are ready at the same moment."""
+        await self._settle(message, "ack", requeue=False)
+
+    async def nack(self, message: AbstractIncomingMessage, *, requeue: bool) -> None:
+        await self._settle(message, "nack", requeue=requeue)
+
+    async def reject(self, message: AbstractIncomingMessage, *, requeue: bool) -> None:
+        await self._settle(message, "reject", requeue=requeue)
+
+    async def _settle(self, message: AbstractIncomingMessage, action: str, *, requeue: bool) -> None:
         tag, channel = message.delivery_tag, _channel(message)
         if tag is None or channel is None or tag not in self._unsettled.get(channel, {}):
-            await message.ack()
+            # Not one of this channel's unsettled deliveries (its channel closed): aio-pika says why.
+            if action == "ack":
+                await message.ack()
+            elif action == "nack":
+                await message.nack(requeue=requeue)
+            else:
+                await message.reject(requeue=requeue)
             return
-        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._ready.setdefault(channel, {})[tag] = (message, future)
-        if not self._flushing:
-            self._flushing = True
-            asyncio.get_running_loop().call_soon(self._flush)
-        await future
+        settlement = _Settlement(message, action, requeue, asyncio.get_running_loop().create_future())
+        self._asked.setdefault(channel, {})[tag] = settlement
+        sender = self._senders.get(channel)
+        if sender is None or sender.done():
+            self._senders[channel] = asyncio.ensure_future(self._send(channel))
+        await asyncio.shield(settlement.future)  # a cancelled caller does not unsend it
 
-    def _flush(self) -> None:
-        self._flushing = False
-        ready_by_channel, self._ready = self._ready, {}
-        for channel, ready in ready_by_channel.items():
-            unsettled = self._unsettled.get(channel, {})
-            run: list[int] = []
-            for tag in unsettled:  # oldest first
-                if tag not in ready:
-                    break
-                run.append(tag)
-            if len(run) > 1:
-                last = run[-1]
-                self._send(ready[last][0], [ready.pop(tag)[1] for tag in run], multiple=True)
-            for tag in run:
-                unsettled.pop(tag, None)
-            for tag, (message, future) in ready.items():
-                unsettled.pop(tag, None)
-                self._send(message, [future], multiple=False)
+    async def _send(self, channel: object) -> None:
+        unsettled = self._unsettled.get(channel, {})
+        asked: dict[int, _Settlement] = {}
+        try:
+            while asked := self._asked.pop(channel, {}):
+                run: list[int] = []
+                for tag in unsettled:  # oldest first
+                    if tag not in asked or asked[tag].action != "ack":
+                        break
+                    run.append(tag)
+                if len(run) > 1:
+                    covered = [asked.pop(tag) for tag in run]
+                    for tag in run:
+                        del unsettled[tag]
+                    await covered[-1].send(multiple=True, also=covered[:-1])
+                for tag in sorted(asked):
+                    unsettled.pop(tag, None)
+                    await asked.pop(tag).send()
+        except BaseException as exc:  # cancelled (the loop is closing): nothing more goes out
+            for settlement in (*asked.values(), *self._asked.pop(channel, {}).values()):
+                settlement.fail(exc)
+            raise
+        finally:
+            self._senders.pop(channel, None)
 
-    @staticmethod
-    def _send(message: AbstractIncomingMessage, futures: list[asyncio.Future[None]], *, multiple: bool) -> None:
-        def done(sending: asyncio.Future[None]) -> None:
-            error = sending.exception() if not sending.cancelled() else asyncio.CancelledError()
-            for future in futures:
-                if not future.done():
-                    if error is None:
-                        future.set_result(None)
-                    else:
-                        future.set_exception(error)
 
-        asyncio.ensure_future(message.ack(multiple=multiple)).add_done_callback(done)
+class _Settlement:
+    def __init__(self, message: AbstractIncomingMessage, action: str, requeue: bool,
+                 future: asyncio.Future[None]) -> None:
+        self.message, self.action, self.requeue, self.future = message, action, requeue, future
+
+    async def send(self, *, multiple: bool = False, also: Sequence[_Settlement] = ()) -> None:
+        """Send it, and resolve its future and those of ``also`` (covered by a multiple ack)."""
+        error: BaseException | None = None
+        try:
+            # aiormq's channel (aio-pika's public ``message.channel``), with ``wait=False``: the frame
+            # is queued in order and the next one follows at once, instead of each waiting until the
+            # socket drained. Nothing is lost by it: an ack that never reaches the broker redelivers
+            # the message, and the inbox acknowledges the repeat.
+            channel, tag = self.message.channel, self.message.delivery_tag
+            assert tag is not None
+            if self.action == "ack":
+                await channel.basic_ack(delivery_tag=tag, multiple=multiple, wait=False)
+            elif self.action == "nack":
+                await channel.basic_nack(delivery_tag=tag, requeue=self.requeue, wait=False)
+            else:
+                await channel.basic_reject(delivery_tag=tag, requeue=self.requeue, wait=False)
+        except Exception as exc:
+            error = exc
+        for settlement in (*also, self):
+            if error is None:
+                if not settlement.future.done():
+                    settlement.future.set_result(None)
+            else:
+                settlement.fail(error)
+
+    def fail(self, error: BaseException) -> None:
+        if not self.future.done():
+            self.future.set_exception(error)
 
 
 def _channel(message: AbstractIncomingMessage) -> object | None:

@@ -49,16 +49,23 @@ MAX_BATCH = 64
 @dataclass(frozen=True, slots=True)
 class Batch:
     """How a handler's deliveries are gathered into one transaction: up to ``max_size`` (at most 64),
-    waiting at most ``max_wait_ms`` after the first for more to arrive."""
+    waiting at most ``max_wait_ms`` after the first for more to arrive, with at most
+    ``max_concurrent`` batches of the handler running at once. While they run, what arrives gathers
+    into the next batch, which starts as soon as one ends: a busy consumer runs full batches (one
+    claim, one commit and one acknowledgement for many deliveries), a quiet one waits at most
+    ``max_wait_ms``."""
 
     max_size: int = 64
     max_wait_ms: float = 5.0
+    max_concurrent: int = 2
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_size <= MAX_BATCH:
             raise ValueError(f"Batch.max_size must be between 1 and {MAX_BATCH}")
         if self.max_wait_ms < 0:
             raise ValueError("Batch.max_wait_ms cannot be negative")
+        if self.max_concurrent < 1:
+            raise ValueError("Batch.max_concurrent must be at least 1")
 
 
 class _HandlerFailed(Exception):
@@ -75,6 +82,7 @@ class BatchedPath:
         self.single = single
         self._waiting: dict[str, list[tuple[Work, asyncio.Future[Result]]]] = {}
         self._timers: dict[str, asyncio.TimerHandle] = {}
+        self._active: collections.Counter[str] = collections.Counter()  # batches running, per handler
         self._running: set[asyncio.Task[None]] = set()
         # Keys that failed inside a batch (bounded: the oldest are forgotten first).
         self._failed: collections.OrderedDict[str, None] = collections.OrderedDict()
@@ -91,7 +99,7 @@ class BatchedPath:
         waiting.append((work, future))
         if len(waiting) >= batch.max_size:
             self._flush(spec.consumer)
-        elif len(waiting) == 1:
+        elif spec.consumer not in self._timers and self._active[spec.consumer] < batch.max_concurrent:
             self._timers[spec.consumer] = asyncio.get_running_loop().call_later(
                 batch.max_wait_ms / 1000, self._flush, spec.consumer)
         # Shielded: a caller that is cancelled (its channel closed) leaves the batch to finish; its
@@ -99,21 +107,42 @@ class BatchedPath:
         return await asyncio.shield(future)
 
     def _flush(self, consumer: str) -> None:
+        """Start a batch of what is waiting, unless as many as allowed are running: then the next one
+        starts when one of them ends (:meth:`_ended`)."""
         timer = self._timers.pop(consumer, None)
         if timer is not None:
             timer.cancel()
-        items = self._waiting.pop(consumer, [])
-        if items:
-            task = asyncio.ensure_future(self._settle(items))
-            self._running.add(task)
-            task.add_done_callback(self._running.discard)
+        waiting = self._waiting.get(consumer)
+        if not waiting:
+            return
+        batch = waiting[0][0].spec.batch
+        assert batch is not None
+        if self._active[consumer] >= batch.max_concurrent:
+            return
+        items, rest = waiting[:batch.max_size], waiting[batch.max_size:]
+        if rest:
+            self._waiting[consumer] = rest
+        else:
+            del self._waiting[consumer]
+        self._active[consumer] += 1
+        task = asyncio.ensure_future(self._settle(items))
+        self._running.add(task)
+        task.add_done_callback(lambda done: self._ended(consumer, done))
+
+    def _ended(self, consumer: str, task: asyncio.Task[None]) -> None:
+        self._running.discard(task)
+        self._active[consumer] -= 1
+        if self._waiting.get(consumer):
+            self._flush(consumer)
 
     async def close(self) -> None:
         """Run what is gathered now, and wait for the batches under way (the app's shutdown)."""
-        for consumer in list(self._waiting):
-            self._flush(consumer)
-        if self._running:
-            await asyncio.gather(*self._running, return_exceptions=True)
+        while self._waiting or self._running:
+            for consumer in list(self._waiting):
+                self._flush(consumer)
+            if self._running:
+                await asyncio.gather(*self._running, return_exceptions=True)
+            await asyncio.sleep(0)  # the batches' done callbacks start what waited for them
 
     async def _settle(self, items: list[tuple[Work, asyncio.Future[Result]]]) -> None:
         futures = {id(work): future for work, future in items}

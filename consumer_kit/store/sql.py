@@ -160,27 +160,6 @@ LOOKUP_MANY = Statement(
     f"SELECT i.* FROM unnest(CAST(:key_digests AS varchar[])) AS k(key_digest) CROSS JOIN LATERAL"
     f" (SELECT {INBOX_COLUMNS} FROM inbox WHERE consumer = :consumer AND key_digest = k.key_digest LIMIT 1) i"
 )
-# A batch's claim (PostgreSQL): every key written completed in one statement, inside the batch's
-# transaction; the keys it did not write are looked up after. Each key is probed through the primary
-# key by a LATERAL ... LIMIT 1 (which PostgreSQL does not flatten into a join: a join over an array
-# is planned, on an empty table, as a scan of the consumer's rows).
-CLAIM_BATCH = Statement(
-    "INSERT INTO inbox (consumer, key_digest, namespace, version, fingerprint, state, attempts, outcome,"
-    " created_at, updated_at, expires_at)"
-    " SELECT CAST(:consumer AS varchar), k.key_digest, k.namespace, k.version, k.fingerprint, 'completed', 1,"
-    " CAST(:outcome AS varchar), CAST(:now AS timestamptz), CAST(:now AS timestamptz),"
-    " CAST(:expires_at AS timestamptz)"
-    " FROM unnest(CAST(:key_digests AS varchar[]), CAST(:namespaces AS varchar[]), CAST(:versions AS integer[]),"
-    " CAST(:fingerprints AS varchar[])) AS k(key_digest, namespace, version, fingerprint)"
-    " LEFT JOIN LATERAL (SELECT 1 AS found FROM inbox_tombstones t WHERE t.consumer = CAST(:consumer AS varchar)"
-    " AND t.key_digest = k.key_digest AND CAST(:tombstones AS boolean) LIMIT 1) tomb ON true"
-    " WHERE tomb.found IS NULL"
-    " ON CONFLICT (consumer, key_digest) DO NOTHING RETURNING key_digest"
-)
-LOOKUP_MANY = Statement(
-    f"SELECT i.* FROM unnest(CAST(:key_digests AS varchar[])) AS k(key_digest) CROSS JOIN LATERAL"
-    f" (SELECT {INBOX_COLUMNS} FROM inbox WHERE consumer = :consumer AND key_digest = k.key_digest LIMIT 1) i"
-)
 TOMBSTONE = Statement(
     "SELECT swept_at FROM inbox_tombstones WHERE consumer = :consumer AND key_digest = :key_digest")
 # ... and a row an earlier failed attempt left started and unleased is finished in it.

@@ -3,8 +3,8 @@
 
 - ``ticker`` fires every second; with ``TICKER_BLOCK=1`` its handler records that it started (in a
   transaction of its own, so the test can see it) and then never finishes: a process to SIGKILL mid-tick.
-- ``report`` fires hourly and is run by hand in the tests: its handler takes ``REPORT_SECONDS`` and,
-  with ``REPORT_FAIL=1``, fails.
+- ``report`` fires hourly and is run by hand in the tests: its handler takes ``REPORT_SECONDS`` (or,
+  with ``REPORT_UNTIL`` set to a path, waits until that file exists) and, with ``REPORT_FAIL=1``, fails.
 """
 
 from __future__ import annotations
@@ -59,8 +59,13 @@ async def tick(ctx: Context) -> None:
 
 @app.handler(report, name="report")
 async def make_report(ctx: Context) -> None:
-    """Take a while (``REPORT_SECONDS``), then record the tick, or fail (``REPORT_FAIL=1``)."""
+    """Take a while (``REPORT_SECONDS``, or until the file ``REPORT_UNTIL`` exists), then record the
+    tick, or fail (``REPORT_FAIL=1``)."""
     await asyncio.sleep(float(os.environ.get("REPORT_SECONDS", "0")))
+    until = os.environ.get("REPORT_UNTIL")
+    # Polled: the test that creates the file is another process, which no asyncio.Event can reach.
+    while until and not await asyncio.to_thread(os.path.exists, until):  # noqa: ASYNC110
+        await asyncio.sleep(0.05)
     if os.environ.get("REPORT_FAIL") == "1":
         raise RuntimeError("the report store is down")
     await ctx.db.execute(effects.insert().values(schedule="report", tick=ctx.delivery.id, pid=os.getpid()))

@@ -121,12 +121,14 @@ async def test_exit_codes_say_failed_parked_and_in_progress(tmp_path: Path) -> N
     code, answer, _ = await run(*fire, env=env)
     assert (code, answer and answer["status"]) == (5, "parked")  # parked before: nothing runs
 
-    env = environment(database, REPORT_SECONDS="3")
+    release = tmp_path / "release"  # the slow run holds the tick until the test creates this file
+    env = environment(database, REPORT_UNTIL=str(release))
     other = key_id(datetime.fromisoformat(tick.replace("Z", "+00:00")) - timedelta(hours=1))
     fire = ("schedule", "run", "tests.acceptance.schedule_app:app", "report", "--at", other)
     slow = asyncio.ensure_future(run(*fire, env=env))
     await until(lambda: held(database, "report", other), "the slow run to hold the tick")
     code, answer, _ = await run(*fire, "--wait", "0.2", env=env)
+    release.touch()
     assert (code, answer and answer["status"]) == (6, "in_progress")
     assert (await slow)[0] == 0
 

@@ -115,9 +115,34 @@ async def test_a_commit_that_fails_as_a_whole_is_halved_down_to_the_culprit(pg_d
     assert (REGISTRY.get_sample_value("consumer_kit_batch_bisections_total") or 0.0) > bisections
 
 
+async def test_arrivals_gather_while_the_allowed_batches_run(database_url: str) -> None:
+    """With one batch at a time, what arrives while it runs waits for it and goes in full batches."""
+    app = ConsumerApp(make_settings(database_url))
+    source = InMemorySource(namespace="gathered", version=1)
+    running = peak = 0
+
+    @app.handler(source, name="gathered", single_transaction=True,
+                 batch=Batch(max_size=16, max_wait_ms=1, max_concurrent=1))
+    async def handle(ctx: Context) -> None:
+        nonlocal running, peak
+        running += 1
+        peak = max(peak, running)
+        await asyncio.sleep(0.002)
+        running -= 1
+
+    batches = batch_count()
+    async with app.running():
+        results = await asyncio.gather(*(source.deliver(id=f"m-{i}", body=str(i)) for i in range(160)))
+    assert all(r.outcome is Outcome.PROCESSED for r in results)
+    assert peak == 1  # never two batches at once
+    assert batch_count() - batches <= 160 / 16 + 1  # the first alone at most, then full ones
+
+
 def test_a_batch_needs_a_single_transaction_handler() -> None:
     app = ConsumerApp(make_settings("sqlite+aiosqlite:///:memory:"))
     with pytest.raises(ConfigurationError, match="single_transaction"):
         app.handler(InMemorySource(namespace="b", version=1), batch=Batch())
     with pytest.raises(ValueError, match="between 1 and 64"):
         Batch(max_size=65)
+    with pytest.raises(ValueError, match="max_concurrent"):
+        Batch(max_concurrent=0)

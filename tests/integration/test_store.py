@@ -310,7 +310,7 @@ async def test_postgres_refuses_an_out_of_date_schema(tmp_path: object) -> None:
 
 
 @pytest.mark.postgres
-@pytest.mark.parametrize("name", ["LOOKUP", "FIND_RECEIPT", "CLAIM"])
+@pytest.mark.parametrize("name", ["LOOKUP", "FIND_RECEIPT", "CLAIM", "CLAIM_BATCH", "LOOKUP_MANY"])
 async def test_hot_statements_find_their_row_by_the_whole_key(pg_database: str, name: str) -> None:
     """PostgreSQL plans a prepared statement once for every later run (a generic plan), and on the
     empty tables of a new deployment. Each hot statement must find its row through the whole primary
