@@ -13,7 +13,7 @@ import httpx
 from pydantic import ValidationError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from consumer_kit import metrics
+from consumer_kit import metrics, tracing
 from consumer_kit.coordinator.embedded import EmbeddedCoordinator
 from consumer_kit.coordinator.http import HttpCoordinator
 from consumer_kit.coordinator.protocol import Coordinator, SessionRequest
@@ -86,9 +86,11 @@ class ConsumerApp:
     """
 
     def __init__(self, settings: Settings | None = None, *, clock: Clock = utcnow,
-                 coordinator: Coordinator | None = None) -> None:
+                 coordinator: Coordinator | None = None, tracer_provider: Any = None) -> None:
         self.settings = settings or Settings()
         self.clock = clock
+        # OpenTelemetry's: None = the global one, as it is when the app starts (consumer_kit.tracing).
+        self.tracer_provider = tracer_provider
         # None: an HttpCoordinator when COORDINATOR_URL is set, else the embedded one on our database.
         self._given_coordinator = coordinator
         self._coordinator: Coordinator | None = None
@@ -236,7 +238,10 @@ class ConsumerApp:
             self._engine = self._database = None
             raise ConfigurationError("driver='asyncpg' handlers need PostgreSQL on the asyncpg driver; "
                                      f"DATABASE_URL is {engine.dialect.name}+{engine.dialect.driver}")
-        self._http = httpx.AsyncClient(timeout=httpx.Timeout(20.0))
+        # Asked once: with no tracer provider configured, no delivery pays for tracing.
+        tracer = tracing.start(self.tracer_provider)
+        self._http = httpx.AsyncClient(timeout=httpx.Timeout(20.0), event_hooks={
+            "request": [tracing.inject_request] if tracer is not None else []})
         self._coordinator = self._given_coordinator or self._default_coordinator(database)
         if isinstance(self._coordinator, EmbeddedCoordinator) and any(s.labels or s.task for s in self.specs):
             await self._coordinator.open()
@@ -251,13 +256,14 @@ class ConsumerApp:
             digester=digester,
             http=self._http,
             coordinator=self._coordinator,
+            tracer=tracer,
         )
         self._drained = asyncio.Event()
         self._drained.set()
         self._sweeper = asyncio.create_task(self._sweep_forever(), name="consumer-kit-sweeper")
         if self._publisher is not None:
             self._relay_stop = asyncio.Event()
-            relay = OutboxRelay(self.outbox, self._publisher, settings)
+            relay = OutboxRelay(self.outbox, self._publisher, settings, tracer_provider=self.tracer_provider)
             self._relay = asyncio.create_task(relay.run(self._relay_stop), name="consumer-kit-relay")
         for spec in self.specs:
             if isinstance(spec.source, StoreSource):

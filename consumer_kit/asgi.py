@@ -32,6 +32,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
+from consumer_kit import logs
 from consumer_kit.http import HttpSource
 
 if TYPE_CHECKING:
@@ -143,8 +144,10 @@ async def serve(app: ServedApp, *, host: str, port: int, log_level: str = "info"
     sock = listen(host, port)  # a port that is taken stops us before anything is opened
     try:
         stop = stop if stop is not None else stop_event()
+        # LOG_FORMAT=json: uvicorn's records go to the root logger's JSON handler, not its own text ones.
+        own_logging = {"log_config": None} if logs.json_configured() else {}
         config = server_config(app.asgi(), app.settings, host=host, port=port, lifespan="off",
-                               log_level=log_level.lower(),
+                               log_level=log_level.lower(), **own_logging,
                                timeout_graceful_shutdown=int(app.settings.shutdown_grace_seconds) or None)
         await run_app(app, stop, lambda: serve_until(uvicorn.Server(config), stop, sock))
     finally:

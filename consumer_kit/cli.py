@@ -37,6 +37,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from consumer_kit import logs
 from consumer_kit.app import ConsumerApp
 from consumer_kit.delivery import Outcome, Result, Settlement
 from consumer_kit.errors import ConfigurationError
@@ -185,7 +186,8 @@ async def _relay(app_target: str | None) -> int:
         loop.add_signal_handler(sig, stop.set)
     try:
         await ensure_schema(engine)
-        await OutboxRelay(Outbox(Database(engine)), publisher, settings).run(stop)
+        await OutboxRelay(Outbox(Database(engine)), publisher, settings,
+                          tracer_provider=app.tracer_provider if app is not None else None).run(stop)
     finally:
         await publisher.close()
         await engine.dispose()
@@ -306,6 +308,8 @@ def build_parser() -> argparse.ArgumentParser:
     """The argument parser (sub-commands register their own options)."""
     parser = argparse.ArgumentParser(prog="consumer-kit", description=__doc__.split("\n\n")[0])
     parser.add_argument("--log-level", default=os.environ.get("LOG_LEVEL", "INFO"))
+    parser.add_argument("--log-format", default=os.environ.get("LOG_FORMAT", "text").lower(),
+                        help="text, or json: one JSON object a line (default: LOG_FORMAT, else text)")
     commands = parser.add_subparsers(dest="command", required=True)
 
     run = commands.add_parser(
@@ -375,8 +379,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``consumer-kit`` script."""
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        logs.configure(args.log_level, args.log_format)
+    except ValueError as exc:
+        parser.error(str(exc))
     func: Command = args.func
     try:
         return func(args)

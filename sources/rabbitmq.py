@@ -58,6 +58,7 @@ from consumer_kit.delivery import Delivery, Dispatch, KeyMapper, Result, Settlem
 from consumer_kit.errors import ConfigurationError
 from consumer_kit.settings import Settings
 from consumer_kit.store.outbox import OutboxMessage
+from consumer_kit.tracing import SpanShape
 from sources.envelopes import EnvelopedSource, KeyFunction, amqp_cloudevent, require_cloudevents
 
 log = logging.getLogger("consumer_kit.sources.rabbitmq")
@@ -119,6 +120,7 @@ class RabbitMQSource(EnvelopedSource):
         self.dead_letter = dead_letter
         self.dead_letter_queue = dead_letter_queue or f"{queue}.dlq"
         self.retry_delays = tuple(sorted(retry_delays))
+        self.span_shape = SpanShape("consumer", system="rabbitmq", destination=queue)
         self._connection: AbstractConnection | None = None
         self._channel: AbstractChannel | None = None
         self._queue: AbstractQueue | None = None
@@ -444,7 +446,10 @@ def _text(value: Any) -> str:
 
 class AmqpPublisher:
     """Publishes outbox rows: ``destination`` is the routing key on ``exchange`` (default: the
-    default exchange, so a queue name). Connects lazily and again after any failure."""
+    default exchange, so a queue name). Connects lazily and again after any failure. The headers of
+    a row are the message's (a traced row's ``traceparent`` among them)."""
+
+    messaging_system = "rabbitmq"
 
     def __init__(self, url: str | None = None, *, exchange: str = "", settings: Settings | None = None,
                  connection_name: str = "consumer-kit-relay") -> None:

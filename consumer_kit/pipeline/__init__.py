@@ -19,12 +19,15 @@ Who calls whom::
                                                        delivery's transaction
     all of them ──> store: Inbox, DeadLetters, Outbox (on one Executor per delivery)
 
-A delivery that cannot be keyed is parked here; everything else is one path's business.
+A delivery that cannot be keyed is parked here; everything else is one path's business. When tracing
+is on (:mod:`consumer_kit.tracing`), ``process`` makes the delivery's span and each path its children
+(``span``, ``commit_span`` and ``run_handler`` in work.py); when it is off they are ``None`` checks.
 """
 
 from __future__ import annotations
 
 import asyncio
+from typing import TYPE_CHECKING
 
 import httpx
 
@@ -32,7 +35,7 @@ from consumer_kit import metrics
 from consumer_kit.coordinator.protocol import Coordinator, SessionsInTransaction
 from consumer_kit.delivery import Delivery, Outcome, Result, Settlement
 from consumer_kit.errors import InvalidKey, MissingStableId
-from consumer_kit.keys import KeyDigester
+from consumer_kit.keys import KeyDigester, short
 from consumer_kit.pipeline.batch import Batch, BatchedPath
 from consumer_kit.pipeline.fate import Fate
 from consumer_kit.pipeline.leased import LeasedPath
@@ -52,6 +55,9 @@ from consumer_kit.settings import Settings
 from consumer_kit.store import DeadLetters, Inbox
 from consumer_kit.store.connections import Database
 
+if TYPE_CHECKING:
+    from consumer_kit.tracing.spans import DeliveryTrace, DeliveryTracer
+
 __all__ = ["Batch", "Handler", "HandlerSpec", "Pipeline", "format_exception", "redact", "session_request"]
 
 
@@ -68,6 +74,7 @@ class Pipeline:
         digester: KeyDigester,
         http: httpx.AsyncClient | None = None,
         coordinator: Coordinator | None = None,
+        tracer: DeliveryTracer | None = None,
     ) -> None:
         self.settings = settings
         self.database = database
@@ -75,7 +82,8 @@ class Pipeline:
         self.dead_letters = dead_letters
         self.digester = digester
         self.coordinator = coordinator
-        self.stores = Stores(settings, database, inbox, dead_letters, digester, http)
+        self.tracer = tracer  # None: tracing is off, and no delivery pays for it
+        self.stores = Stores(settings, database, inbox, dead_letters, digester, http, tracer)
         self.fate = Fate(self.stores)
         # Asked once: can the coordinator keep a delivery's session inside the delivery's transaction?
         step = coordinator.session_step(database) if isinstance(coordinator, SessionsInTransaction) else None
@@ -96,30 +104,40 @@ class Pipeline:
             counters = self._metrics[source] = metrics.SourceMetrics(source)
         counters.in_flight += 1
         started = asyncio.get_running_loop().time()
+        trace = self.tracer.delivery(spec, delivery) if self.tracer is not None else None
         try:
-            result = await self._process(spec, delivery)
-        except asyncio.CancelledError:
+            result = await self._process(spec, delivery, trace)
+        except asyncio.CancelledError as exc:
             counters.delivered("cancelled")
+            if trace is not None:
+                trace.end(None, exc)
             raise
         except Exception as exc:  # the store failed: nothing was decided, so try the delivery again
             log.error("delivery failed before settlement (%s); retrying later", describe(exc, None),
                       extra={"source": source})
             result = Result(Outcome.RETRY, Settlement.RETRY_LATER, "store_error",
                             delay=self.settings.retry_later_seconds)
+            if trace is not None:
+                trace.end(result, exc)
+                trace = None
         finally:
             counters.in_flight -= 1
+        if trace is not None:
+            trace.end(result)
         if result.outcome is Outcome.PROCESSED:
             counters.handler_seconds.observe(asyncio.get_running_loop().time() - started)
         counters.delivered(result.outcome.value)
         return result
 
-    async def _process(self, spec: HandlerSpec, delivery: Delivery) -> Result:
+    async def _process(self, spec: HandlerSpec, delivery: Delivery, trace: DeliveryTrace | None) -> Result:
         try:
             key = spec.source.key(delivery)
         except (MissingStableId, InvalidKey) as exc:
             await self.fate.park(spec, delivery, None, exc.reason, str(exc), attempts=delivery.attempt, ex=None)
             return Result(Outcome.INVALID, Settlement.DEAD_LETTER, exc.reason)
-        work = Work(spec, delivery, key, self.digester.candidates(key), delivery.fingerprint())
+        work = Work(spec, delivery, key, self.digester.candidates(key), delivery.fingerprint(), trace=trace)
+        if trace is not None:
+            trace.keyed(delivery, key, short(work.digests[0]))  # not work.digest: that is the claim's, once made
         if delivery.sent_at is not None:
             age = (delivery.received_at - delivery.sent_at).total_seconds()
             self._metrics[spec.source.name].age.observe(max(0.0, age))
