@@ -3,8 +3,9 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+PORT ?= 8000
 
-.PHONY: run test bench lint install clean
+.PHONY: run demo test bench lint install clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -14,7 +15,13 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# A worker on the embedded defaults (SQLite file, in-process coordinator): a webhook receiver and a
+# schedule (examples/starter.py), served on PORT; it prints a curl command that sends it a signed order.
 run: $(STAMP)
+	$(PY) -m examples.starter --port $(PORT)
+
+# The retry-safety recipe of the coordinator's guide, as a table.
+demo: $(STAMP)
 	$(VENV)/bin/consumer-kit demo
 
 test: $(STAMP)
@@ -28,4 +35,4 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy
 
 clean:
-	rm -rf $(VENV) *.egg-info consumer-kit.db consumer-kit.db.hmac-key
+	rm -rf $(VENV) *.egg-info consumer-kit.db consumer-kit.db-* consumer-kit.db.hmac-key consumer-kit.db.webhook-secret

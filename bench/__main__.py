@@ -14,6 +14,7 @@ BENCHMARKS = {
     "rabbitmq": "bench.rabbitmq",
     "batch": "bench.batch",
     "sqs": "bench.sqs",
+    "otel": "bench.otel",
 }
 
 

@@ -6,24 +6,25 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable, Collection
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import httpx
 from pydantic import ValidationError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from consumer_kit import metrics
+from consumer_kit import metrics, tracing
 from consumer_kit.coordinator.embedded import EmbeddedCoordinator
 from consumer_kit.coordinator.http import HttpCoordinator
 from consumer_kit.coordinator.protocol import Coordinator, SessionRequest
-from consumer_kit.delivery import Delivery, Result, Source, StoreSource
+from consumer_kit.delivery import Delivery, ReportsReadiness, Result, Source, StoreSource
 from consumer_kit.errors import ConfigurationError, InvalidKey
 from consumer_kit.keys import OperationKey
 from consumer_kit.pipeline import Batch, Handler, HandlerSpec, Pipeline
 from consumer_kit.relay import OutboxRelay, Publisher
 from consumer_kit.retry import RetryPolicy
 from consumer_kit.settings import Settings
-from consumer_kit.store import DeadLetters, Inbox, Outbox, create_engine, ensure_schema, utcnow
+from consumer_kit.store import DeadLetters, Inbox, Outbox, create_engine, ensure_schema, schema_revisions, utcnow
 from consumer_kit.store.connections import Database
 from consumer_kit.store.database import AppMigrations
 from consumer_kit.store.inbox import Clock
@@ -35,8 +36,22 @@ log = logging.getLogger("consumer_kit.app")
 
 # After the grace period, cancelled deliveries get this long to roll back and give their leases back.
 SETTLE_AFTER_CANCEL_SECONDS = 5.0
+# A readiness probe that waits longer than this for the database calls it unreachable (probes time out).
+READINESS_DATABASE_SECONDS = 5.0
 
 H = TypeVar("H", bound=Handler)
+
+
+@dataclass(frozen=True, slots=True)
+class Readiness:
+    """Whether the app takes work now (what ``/readyz`` answers) and, if not, why: ``not_started``
+    (starting, or stopping), ``database_unreachable``, ``schema_out_of_date``, or ``source_not_ready``
+    with the source's name and its own reason."""
+
+    ready: bool
+    reason: str | None = None
+    source: str | None = None
+    detail: str | None = None
 
 
 def check_source(source: object) -> None:
@@ -72,9 +87,11 @@ class ConsumerApp:
     """
 
     def __init__(self, settings: Settings | None = None, *, clock: Clock = utcnow,
-                 coordinator: Coordinator | None = None) -> None:
+                 coordinator: Coordinator | None = None, tracer_provider: Any = None) -> None:
         self.settings = settings or Settings()
         self.clock = clock
+        # OpenTelemetry's: None = the global one, as it is when the app starts (consumer_kit.tracing).
+        self.tracer_provider = tracer_provider
         # None: an HttpCoordinator when COORDINATOR_URL is set, else the embedded one on our database.
         self._given_coordinator = coordinator
         self._coordinator: Coordinator | None = None
@@ -87,6 +104,7 @@ class ConsumerApp:
         self._drained: asyncio.Event | None = None  # set whenever _in_flight is empty (made in start())
         self._sweeper: asyncio.Task[None] | None = None
         self._started: list[Source] = []
+        self._serving = False  # every source started, and stop() not called yet
         self._publisher: Publisher | None = None
         self._relay: asyncio.Task[None] | None = None
         self._relay_stop = asyncio.Event()
@@ -223,7 +241,10 @@ class ConsumerApp:
             self._engine = self._database = None
             raise ConfigurationError("driver='asyncpg' handlers need PostgreSQL on the asyncpg driver; "
                                      f"DATABASE_URL is {engine.dialect.name}+{engine.dialect.driver}")
-        self._http = httpx.AsyncClient(timeout=httpx.Timeout(20.0))
+        # Asked once: with no tracer provider configured, no delivery pays for tracing.
+        tracer = tracing.start(self.tracer_provider)
+        self._http = httpx.AsyncClient(timeout=httpx.Timeout(20.0), event_hooks={
+            "request": [tracing.inject_request] if tracer is not None else []})
         self._coordinator = self._given_coordinator or self._default_coordinator(database)
         if isinstance(self._coordinator, EmbeddedCoordinator) and any(s.labels or s.task for s in self.specs):
             await self._coordinator.open()
@@ -238,6 +259,7 @@ class ConsumerApp:
             digester=digester,
             http=self._http,
             coordinator=self._coordinator,
+            tracer=tracer,
             on_fatal=self._fail,
         )
         self._drained = asyncio.Event()
@@ -245,7 +267,7 @@ class ConsumerApp:
         self._sweeper = asyncio.create_task(self._sweep_forever(), name="consumer-kit-sweeper")
         if self._publisher is not None:
             self._relay_stop = asyncio.Event()
-            relay = OutboxRelay(self.outbox, self._publisher, settings)
+            relay = OutboxRelay(self.outbox, self._publisher, settings, tracer_provider=self.tracer_provider)
             self._relay = asyncio.create_task(relay.run(self._relay_stop), name="consumer-kit-relay")
         for spec in self.specs:
             if isinstance(spec.source, StoreSource):
@@ -258,6 +280,7 @@ class ConsumerApp:
         except BaseException:
             await self.stop(grace=0)
             raise
+        self._serving = True
         log.info("consumer-kit started: %d source(s) on %s", len(self.specs), engine.dialect.name)
 
     @property
@@ -319,6 +342,7 @@ class ConsumerApp:
     async def stop(self, grace: float | None = None) -> None:
         """Stop intake, drain in-flight deliveries for ``grace`` seconds, release the rest, close."""
         grace = self.settings.shutdown_grace_seconds if grace is None else grace
+        self._serving = False
         for source in self._started:
             with contextlib.suppress(Exception):
                 await source.stop()
@@ -373,6 +397,26 @@ class ConsumerApp:
             yield self
         finally:
             await self.stop()
+
+    async def readiness(self) -> Readiness:
+        """Whether the app takes work now: started (every source, and not stopping), the database
+        answering within a few seconds with its schema at head, and no source saying it is not ready
+        (a RabbitMQ source whose connection is being re-established)."""
+        if not self._serving or self._engine is None:
+            return Readiness(False, "not_started")
+        try:
+            async with asyncio.timeout(READINESS_DATABASE_SECONDS):
+                current, head = await schema_revisions(self._engine)
+        except Exception as exc:
+            return Readiness(False, "database_unreachable", detail=type(exc).__name__)
+        if current != head:
+            return Readiness(False, "schema_out_of_date", detail=f"at {current or 'none'}, needs {head}")
+        for source in self._started:
+            if isinstance(source, ReportsReadiness):
+                reason = source.unready_reason()
+                if reason is not None:
+                    return Readiness(False, "source_not_ready", source=source.name, detail=reason)
+        return Readiness(True)
 
     async def sweep(self) -> int:
         """Delete expired inbox rows now, in batches; returns how many went."""

@@ -3,7 +3,8 @@
 ``app.asgi()`` routes each :class:`~consumer_kit.http.HttpSource`'s path to its ``handle`` and serves
 
 - ``GET /healthz``: 200 while the process is up;
-- ``GET /readyz``: 200 when the app is started, the database answers and its schema is at head; 503
+- ``GET /readyz``: 200 when the app takes work (``app.readiness()``: every source started and none
+  saying it is not ready, the database answering with its schema at head); 503 with the reason
   otherwise;
 - ``GET /metrics``: the Prometheus exposition.
 
@@ -26,15 +27,13 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
-from sqlalchemy import text
-from sqlalchemy.ext.asyncio import AsyncEngine
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
+from consumer_kit import logs
 from consumer_kit.http import HttpSource
-from consumer_kit.store import schema_revisions
 
 if TYPE_CHECKING:
     from consumer_kit.settings import Settings
@@ -47,16 +46,28 @@ class _Handled(Protocol):
     def source(self) -> object: ...
 
 
+class _Readiness(Protocol):
+    @property
+    def ready(self) -> bool: ...
+
+    @property
+    def reason(self) -> str | None: ...
+
+    @property
+    def source(self) -> str | None: ...
+
+    @property
+    def detail(self) -> str | None: ...
+
+
 class ServedApp(Protocol):
     """What this module needs of a :class:`~consumer_kit.ConsumerApp`: its handlers' sources, its
-    engine (``RuntimeError`` until started), its settings, ``running()``, ``asgi()``, ``start()`` and
-    ``stop()``."""
+    settings, ``readiness()``, ``running()``, ``asgi()``, ``start()`` and ``stop()``."""
 
     @property
     def specs(self) -> Sequence[_Handled]: ...
 
-    @property
-    def engine(self) -> AsyncEngine: ...
+    async def readiness(self) -> _Readiness: ...
 
     @property
     def settings(self) -> Settings: ...
@@ -94,20 +105,14 @@ def build(app: ServedApp) -> Starlette:
         return PlainTextResponse("ok")
 
     async def readyz(_request: Request) -> Response:
-        try:
-            engine = app.engine
-        except RuntimeError:
-            return JSONResponse({"ready": False, "reason": "not_started"}, status_code=503)
-        try:
-            async with engine.connect() as conn:
-                await conn.execute(text("SELECT 1"))
-            current, head = await schema_revisions(engine)
-        except Exception as exc:
-            log.warning("readiness check failed: %s", type(exc).__name__)
-            return JSONResponse({"ready": False, "reason": "database_unreachable"}, status_code=503)
-        if current != head:
-            return JSONResponse({"ready": False, "reason": "schema_out_of_date"}, status_code=503)
-        return JSONResponse({"ready": True})
+        readiness = await app.readiness()
+        if readiness.ready:
+            return JSONResponse({"ready": True})
+        answer = {"ready": False, "reason": readiness.reason}
+        answer.update({name: value for name in ("source", "detail")
+                       if (value := getattr(readiness, name)) is not None})
+        log.info("not ready: %s", answer)
+        return JSONResponse(answer, status_code=503)
 
     async def metrics_endpoint(_request: Request) -> Response:
         return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
@@ -133,11 +138,17 @@ async def serve(app: ServedApp, *, host: str, port: int, log_level: str = "info"
     """
     import uvicorn
 
-    from consumer_kit.httpserver import serve_until, server_config
+    from consumer_kit.httpserver import listen, serve_until, server_config
     from consumer_kit.signals import run_app, stop_event
 
-    stop = stop if stop is not None else stop_event()
-    config = server_config(app.asgi(), app.settings, host=host, port=port, lifespan="off",
-                           log_level=log_level.lower(),
-                           timeout_graceful_shutdown=int(app.settings.shutdown_grace_seconds) or None)
-    await run_app(app, stop, lambda: serve_until(uvicorn.Server(config), stop))
+    sock = listen(host, port)  # a port that is taken stops us before anything is opened
+    try:
+        stop = stop if stop is not None else stop_event()
+        # LOG_FORMAT=json: uvicorn's records go to the root logger's JSON handler, not its own text ones.
+        own_logging = {"log_config": None} if logs.json_configured() else {}
+        config = server_config(app.asgi(), app.settings, host=host, port=port, lifespan="off",
+                               log_level=log_level.lower(), **own_logging,
+                               timeout_graceful_shutdown=int(app.settings.shutdown_grace_seconds) or None)
+        await run_app(app, stop, lambda: serve_until(uvicorn.Server(config), stop, sock))
+    finally:
+        sock.close()

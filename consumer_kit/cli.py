@@ -3,7 +3,9 @@
 ::
 
     consumer-kit run module:app     run an app until SIGTERM/SIGINT, then drain (like uvicorn)
-                                    (with HTTP sources: app.asgi() under uvicorn, --host/--port)
+                                    (--port N: app.asgi() under uvicorn on --host: /healthz, /readyz,
+                                    /metrics and the HTTP sources' paths; an app with HTTP sources
+                                    needs --port)
     consumer-kit db upgrade         apply consumer-kit's migrations to DATABASE_URL, then the app's (APP_MIGRATIONS)
     consumer-kit db check           exit 1 when DATABASE_URL's schema (or the app's) is out of date
     consumer-kit db revision -m M   a new, empty revision file in APP_MIGRATIONS
@@ -45,12 +47,12 @@ from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 from pydantic import ValidationError
 
-from consumer_kit import cli_parked
+from consumer_kit import cli_parked, logs
 from consumer_kit.app import ConsumerApp
 from consumer_kit.delivery import Outcome, Result, Settlement
 from consumer_kit.errors import ConfigurationError
 from consumer_kit.extras import missing_extra
-from consumer_kit.http import has_http_sources
+from consumer_kit.http import http_paths
 from consumer_kit.settings import Settings, explain
 from consumer_kit.signals import StopRequested, StopSignals, run_app
 from consumer_kit.store import (
@@ -127,18 +129,22 @@ def _run(args: argparse.Namespace) -> int:
     try:
         signals.install()  # before the app's module is imported: that can take a while too
         app = load_app(args.app)
-        serve_http = has_http_sources(spec.source for spec in app.specs)
-        if serve_http:
+        paths = http_paths(spec.source for spec in app.specs)
+        if paths and args.port is None:
+            raise ConfigurationError(f"{args.app} has HTTP sources ({', '.join(paths)}): give --port to serve them")
+        if args.port is not None:
             try:
                 from consumer_kit.asgi import serve
+                from consumer_kit.httpserver import server_config  # noqa: F401 (uvicorn, httptools)
             except ModuleNotFoundError as exc:
-                raise ConfigurationError(str(missing_extra("webhooks", "an app with HTTP sources", exc))) from exc
+                raise ConfigurationError(str(missing_extra(
+                    "http", "--port (health, readiness and metrics over HTTP)", exc))) from exc
         signals.defer()
     except StopRequested:
         log.info("stop signal before start-up: not started")
         return 0
     try:
-        if serve_http:
+        if args.port is not None:
             run_async(_with_stop(signals, lambda stop: serve(
                 app, host=args.host, port=args.port, log_level=args.log_level, stop=stop)))
         else:
@@ -236,7 +242,8 @@ async def _relay(app_target: str | None) -> int:
         loop.add_signal_handler(sig, stop.set)
     try:
         await ensure_schema(engine, app=AppMigrations.from_settings(settings))
-        await OutboxRelay(Outbox(Database(engine)), publisher, settings).run(stop)
+        await OutboxRelay(Outbox(Database(engine)), publisher, settings,
+                          tracer_provider=app.tracer_provider if app is not None else None).run(stop)
     finally:
         await publisher.close()
         await engine.dispose()
@@ -381,27 +388,39 @@ def _log_level(value: str) -> str:
     return level
 
 
+def _log_format(value: str) -> str:
+    log_format = value.strip().lower()
+    if log_format not in logs.LOG_FORMATS:
+        raise argparse.ArgumentTypeError(f"invalid log format {value!r}: choose {', '.join(logs.LOG_FORMATS)}")
+    return log_format
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser (sub-commands register their own options)."""
     parser = _Parser(prog="consumer-kit", description=__doc__.split("\n\n")[0], formatter_class=_Help)
-    parser.add_argument("--log-level", type=_log_level, default=argparse.SUPPRESS,
-                        help=f"how much to log: {', '.join(LOG_LEVELS)} (DEBUG: consumer-kit's own logs only; "
-                        "default: LOG_LEVEL, else INFO)")
-    # --log-level works after a sub-command too; there it overrides the one before (SUPPRESS: unset
-    # leaves the top-level value alone).
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--log-level", type=_log_level, default=argparse.SUPPRESS,
-                        help=f"how much to log: {', '.join(LOG_LEVELS)} (default: LOG_LEVEL, else INFO)")
+    # --log-level and --log-format work after a sub-command too, where they override the ones before
+    # (SUPPRESS: unset leaves the top-level value alone; unset everywhere, LOG_LEVEL / LOG_FORMAT decide).
+    for options in (parser, common := argparse.ArgumentParser(add_help=False)):
+        options.add_argument("--log-level", type=_log_level, default=argparse.SUPPRESS,
+                             help=f"how much to log: {', '.join(LOG_LEVELS)} (DEBUG: consumer-kit's own logs "
+                             "only; default: LOG_LEVEL, else INFO)")
+        options.add_argument("--log-format", type=_log_format, default=argparse.SUPPRESS,
+                             help="text, or json: one JSON object a line (default: LOG_FORMAT, else text)")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def command(group: Any, name: str, **kwargs: Any) -> argparse.ArgumentParser:
         sub: argparse.ArgumentParser = group.add_parser(name, parents=[common], formatter_class=_Help, **kwargs)
         return sub
 
-    run = command(commands, "run", help="run an app: module:app")
-    run.add_argument("app", help="module:app, the ConsumerApp to run (the current directory is importable)")
-    run.add_argument("--host", default="127.0.0.1", help="where HTTP sources are served")
-    run.add_argument("--port", type=int, default=8000, help="the port HTTP sources are served on")
+    run = command(
+        commands, "run", help="run an app: module:app",
+        description="Run an app until SIGTERM/SIGINT, then drain. With --port it also serves /healthz, "
+        "/readyz and /metrics (and its HTTP sources' paths); without --port it serves nothing over HTTP.")
+    run.add_argument("app", help="module:app (the current directory is importable)")
+    run.add_argument("--host", default="127.0.0.1", help="the address --port listens on (0.0.0.0 in a container)")
+    run.add_argument("--port", type=int, default=None,
+                     help="serve /healthz, /readyz, /metrics and the HTTP sources here (unset: no HTTP server; an "
+                     "app with HTTP sources needs it)")
     run.set_defaults(func=_run)
 
     db = command(commands, "db", help="schema management")
@@ -456,22 +475,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _from_env(parser: argparse.ArgumentParser, variable: str, default: str, check: Callable[[str], str]) -> str:
+    try:
+        return check(os.environ.get(variable, default))
+    except argparse.ArgumentTypeError as exc:
+        parser.error(f"{variable}: {exc}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``consumer-kit`` script."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    level = getattr(args, "log_level", None)
-    if level is None:
-        try:
-            level = _log_level(os.environ.get("LOG_LEVEL", "INFO"))
-        except argparse.ArgumentTypeError as exc:
-            parser.error(f"LOG_LEVEL: {exc}")
-    args.log_level = level  # for the commands that pass it on (uvicorn's)
-    # DEBUG is consumer-kit's own: libraries' debug logs (aio-pika's dumps every message's properties,
-    # message ids included) stay at INFO.
-    logging.basicConfig(level=max(logging.INFO, logging.getLevelName(level)),
-                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    logging.getLogger("consumer_kit").setLevel(level)
+    level = getattr(args, "log_level", None) or _from_env(parser, "LOG_LEVEL", "INFO", _log_level)
+    log_format = getattr(args, "log_format", None) or _from_env(parser, "LOG_FORMAT", "text", _log_format)
+    args.log_level, args.log_format = level, log_format  # for the commands that pass them on (uvicorn)
+    logs.configure(level, log_format)
+    if level == "DEBUG":  # consumer-kit's own: libraries' debug logs (aio-pika dumps message ids) stay at INFO
+        logging.getLogger().setLevel(logging.INFO)
+        logging.getLogger("consumer_kit").setLevel(logging.DEBUG)
     func: Command = args.func
     try:
         return func(args)

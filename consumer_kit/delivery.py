@@ -154,6 +154,16 @@ class Source(Protocol):
 
 
 @runtime_checkable
+class ReportsReadiness(Protocol):
+    """A source that can say it is not taking deliveries although it was started (a broker connection
+    being re-established, say); ``/readyz`` answers 503 while any source says so."""
+
+    def unready_reason(self) -> str | None:
+        """``None`` while the source takes deliveries, else a short reason (``broker_disconnected``)."""
+        ...
+
+
+@runtime_checkable
 class StoreSource(Protocol):
     """A source that keeps state of its own in the store (a schedule: how far its ticks are decided).
 

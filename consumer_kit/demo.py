@@ -1,4 +1,5 @@
-"""``consumer-kit demo``: seed 000's validation recipe, end to end, on the embedded defaults.
+"""``consumer-kit demo``: the retry-safety recipe (replay, conflict, inactive, effect once), end to end,
+on the embedded defaults.
 
 On a SQLite file in a temporary directory, with the embedded coordinator:
 
@@ -10,7 +11,7 @@ On a SQLite file in a temporary directory, with the embedded coordinator:
    after the session ended, and the destination effect count after several deliveries (1);
 3. a delivery with no stable id (parked, never guessed).
 
-It prints a table and exits non-zero if any step did not behave as the seeds say.
+It prints a table and exits non-zero if any step did not behave as the coordinator's contract says.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@
     │   ├── CoordinatorUnavailable      the coordinator could not be reached within the retry budget
     │   └── ReceiptLimitExceeded        the scope holds IDEMPOTENCY_MAX_RECEIPTS_PER_SCOPE live receipts
     ├── TerminalError                   never retry; park the delivery with a reason
-    │   ├── InvalidKey                  the operation key breaks the seed's rules
+    │   ├── InvalidKey                  the operation key breaks the rules of keys
     │   ├── MissingStableId             the delivery carries no immutable id to key it by
     │   │   ├── UnparseableDelivery     its body (or envelope) cannot be parsed to find one
     │   │   └── InvalidReplay           it claims to be a replay, but its replay header does not verify
@@ -78,7 +78,7 @@ class TerminalError(ConsumerKitError):
 
 
 class InvalidKey(TerminalError, ValueError):
-    """An operation key breaks the rules of seed 000: empty, over 255 UTF-8 bytes, a control
+    """An operation key breaks the rules every key follows: empty, over 255 UTF-8 bytes, a control
     character, or surrounding whitespace. ``code`` says which; the key itself is never echoed."""
 
     reason = "invalid_key"
@@ -153,7 +153,7 @@ class CoordinatorRejected(TerminalError):
 
 
 class IdempotencyKeyConflict(CoordinatorRejected):
-    """Seed 000: the key was first used with different security-relevant fields (labels, task,
+    """409: the key was first used with different security-relevant fields (labels, task,
     metadata, TTL, scopes ...). Usually a programming error or a namespace reused for other work."""
 
     reason = "conflict"
@@ -163,7 +163,7 @@ class IdempotencyKeyConflict(CoordinatorRejected):
 
 
 class IdempotencyResultInactive(CoordinatorRejected):
-    """Seed 000: the session or delegation this key created has ended, expired or been revoked; it is
+    """409: the session or delegation this key created has ended, expired or been revoked; it is
     not replayed as an unusable identity. Use a new operation version only for an intentional rerun."""
 
     reason = "inactive"

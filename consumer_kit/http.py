@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from starlette.responses import Response
 
 DEFAULT_BODY_LIMIT = 262_144
-"""256 KiB: the default cap on a request body, as the coordinator's (seed 000)."""
+"""256 KiB: the default cap on a request body, as the coordinator's (``COORDINATOR_BODY_LIMIT_BYTES``)."""
 
 MAX_JSON_DEPTH = 128
 """How deeply a request's JSON may nest (arrays and objects): far more than any event or request
@@ -137,9 +137,9 @@ def answer_for(result: Result) -> Answer:
     return Answer(400 if result.outcome is Outcome.INVALID else 202, {}, body)
 
 
-def has_http_sources(sources: Iterable[object]) -> bool:
-    """Whether any of ``sources`` is served over HTTP."""
-    return any(isinstance(source, HttpSource) for source in sources)
+def http_paths(sources: Iterable[object]) -> list[str]:
+    """The paths of those of ``sources`` that are served over HTTP, in order."""
+    return [source.path for source in sources if isinstance(source, HttpSource)]
 
 
 _JSON_STRUCTURE = re.compile(r'[\[\]{}"\\]')

@@ -29,6 +29,7 @@ from consumer_kit.http import (
     answer_for,
 )
 from consumer_kit.keys import OperationKey
+from consumer_kit.tracing import SpanShape
 
 _PRIVATE_HEADERS = frozenset({"authorization", "cookie", "proxy-authorization"})
 
@@ -53,6 +54,7 @@ class HttpIntake(CallIntake, ABC):
         self.version = version
         self.name = name
         self.body_limit = body_limit
+        self.span_shape = SpanShape("server", attributes={"http.route": path})
 
     async def handle(self, request: Request) -> Response:
         """Answer one request: 503 while not running, else :meth:`receive`'s answer or the refusal."""

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 from typing import Any, cast
 
 import httptools
@@ -34,6 +35,7 @@ import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from consumer_kit import metrics
+from consumer_kit.errors import ConfigurationError
 from consumer_kit.settings import Settings
 
 log = logging.getLogger("consumer_kit.httpserver")
@@ -222,10 +224,36 @@ def server_config(app: Any, settings: Settings, *, host: str, port: int, **optio
     return uvicorn.Config(app, host=host, port=port, http=http, ws="none", **options)
 
 
-async def serve_until(server: uvicorn.Server, stop: asyncio.Event) -> None:
+def listen(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port``, for :func:`serve_until`; a :class:`ConfigurationError` saying
+    so when it cannot be (the port is taken, the address is not this host's).
+
+    Bound by us before anything else starts, rather than by uvicorn once the app is up: uvicorn answers
+    a failed bind with ``sys.exit`` from inside its task, which would end the process with the app still
+    open and a traceback instead of one clear line."""
+    try:
+        family, kind, proto, _name, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as exc:
+        raise ConfigurationError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        raise ConfigurationError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    return sock
+
+
+async def serve_until(server: uvicorn.Server, stop: asyncio.Event, sock: socket.socket | None = None) -> None:
     """Run ``server`` until it stops by itself (uvicorn takes SIGTERM and SIGINT while it runs) or
-    ``stop`` is set; either way it stops gracefully (stop accepting, finish the requests in flight)."""
-    serving = asyncio.ensure_future(server.serve())
+    ``stop`` is set; either way it stops gracefully (stop accepting, finish the requests in flight).
+    ``sock``: a socket from :func:`listen` to serve on (uvicorn then does not bind one itself)."""
+    if sock is not None:
+        host, port = sock.getsockname()[:2]
+        log.info("serving http://%s:%d", f"[{host}]" if ":" in host else host, port)
+    serving = asyncio.ensure_future(server.serve(sockets=[sock] if sock is not None else None))
     stopping = asyncio.ensure_future(stop.wait())
     try:
         await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)

@@ -2,7 +2,7 @@
 
 A key is built explicitly from a source's immutable delivery id (``ticket-queue:v1:<message id>``).
 There is deliberately no constructor that takes a payload hash, a timestamp, a trace id or a title:
-seed 000 forbids those as identities.
+none of those identifies a piece of work.
 
 Keys are operational identifiers, not secrets, but they may carry provider ids that should not leak
 into diagnostics; they are stored and logged only as HMAC-SHA-256 digests (:class:`KeyDigester`).
@@ -28,7 +28,7 @@ _CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")
 def validate_key(value: object, *, part: str = "key") -> str:
     """Return ``value`` if it is a valid idempotency key (or key part); raise :class:`InvalidKey`.
 
-    The rules are seed 000's: non-empty, at most 255 UTF-8 bytes, no control character (Unicode
+    The rules: non-empty, at most 255 UTF-8 bytes, no control character (Unicode
     category Cc, so NUL, DEL and the C1 range too), no surrounding whitespace.
     """
     if not isinstance(value, str):
@@ -107,7 +107,7 @@ class KeyDigester:
     """Keyed digests of idempotency keys, for storage and logs.
 
     ``digest`` uses the current HMAC key; ``candidates`` also yields the digest under the previous key
-    so that records written before a rotation are still found (seed 000: keep the previous key for one
+    so that records written before a rotation are still found (keep the previous key for one
     full retention window, then remove it).
     """
 

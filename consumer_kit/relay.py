@@ -24,11 +24,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
-from consumer_kit import metrics
+from consumer_kit import metrics, tracing
 from consumer_kit.errors import ConsumerKitError
 from consumer_kit.settings import Settings
 from consumer_kit.store.diagnosis import unavailable_because
@@ -39,7 +40,8 @@ log = logging.getLogger("consumer_kit.relay")
 
 @runtime_checkable
 class Publisher(Protocol):
-    """Sends outbox messages to their destination."""
+    """Sends outbox messages to their destination. A publisher may name its ``messaging_system``
+    (``"rabbitmq"``): traced publishes carry it as ``messaging.system``."""
 
     async def publish(self, message: OutboxMessage) -> None:
         """Return once the destination has confirmed ``message`` (published with ``message.id`` as its
@@ -55,10 +57,15 @@ class OutboxRelay:
     """Moves outbox rows to a :class:`Publisher`; run several at once on PostgreSQL, one on SQLite."""
 
     def __init__(self, outbox: Outbox, publisher: Publisher, settings: Settings,
-                 *, sweep_interval_seconds: float | None = None) -> None:
+                 *, sweep_interval_seconds: float | None = None, tracer_provider: Any = None) -> None:
         self.outbox = outbox
         self.publisher = publisher
         self.settings = settings
+        # Traced (see consumer_kit.tracing): each publish is a PRODUCER span, a child of the context
+        # its row was written in. Untraced, rows go out with the headers they were written with, so
+        # a consumer still continues the writer's trace.
+        self._tracer = tracing.start(tracer_provider)
+        self._system: str | None = getattr(publisher, "messaging_system", None)
         self.sweep_interval = sweep_interval_seconds or settings.sweep_interval_seconds
         self._wake = asyncio.Event()
         self.last_failure: str | None = None  # why the last round's publishes failed
@@ -91,14 +98,25 @@ class OutboxRelay:
         timeout = self.settings.outbox_publish_timeout_seconds
 
         async def one(message: OutboxMessage) -> None:
+            span = None
+            if self._tracer is not None:
+                span, headers = self._tracer.send(message, self._system)
+                message = dataclasses.replace(message, headers=headers)
             try:
                 await asyncio.wait_for(self.publisher.publish(message), timeout)
             except Exception as exc:
                 delay = min(self.settings.outbox_backoff_max_seconds,
                             self.settings.outbox_backoff_seconds * 2 ** message.attempts)
                 batch.mark_failed(message.id, f"{type(exc).__name__}: {exc}", delay)
+                if span is not None:
+                    from consumer_kit.tracing.spans import record
+
+                    record(span, exc, None)
             else:
                 batch.mark_published(message.id)
+            finally:
+                if span is not None:
+                    span.end()
 
         # Confirms are pipelined on one channel: publishing the batch concurrently costs one round trip.
         await asyncio.gather(*(one(m) for m in batch.messages))

@@ -1,4 +1,5 @@
-"""Retry classification and budgets for calls that cross the network (seed 000's prerequisites).
+"""Retry classification and budgets for calls that cross the network: network errors, 5xx, 408, 425 and
+429 are retried within a budget; other answers are final.
 
 Network errors, 5xx, 408, 425 and 429 may pass and are retried; every other 4xx is an authorization
 or validation failure that no retry can fix. A :class:`RetryBudget` bounds one logical call by a

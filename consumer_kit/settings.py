@@ -1,7 +1,7 @@
 """Every tunable of consumer-kit, in one pydantic-settings class.
 
-Environment names are the seeds' where the seeds name them (``IDEMPOTENCY_RETENTION_SECONDS`` and
-friends). Secrets have no defaults: on a database other than SQLite a missing
+Environment names are those of the coordinator's idempotency contract where it names them
+(``IDEMPOTENCY_RETENTION_SECONDS`` and friends). Secrets have no defaults: on a database other than SQLite a missing
 ``IDEMPOTENCY_HMAC_KEY`` is a startup error. On the embedded SQLite default the first run writes a
 random key to a file beside the database (mode 0600), so that a laptop run needs no set-up.
 """
@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import secrets
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -43,7 +44,8 @@ class Settings(BaseSettings):
         "package). `consumer-kit db upgrade` applies them after consumer-kit's; SQLite at start too; an app refuses "
         "to start on PostgreSQL while they are behind.")
     app_migrations_table: str = Field(
-        "alembic_version", min_length=1, description="Where the database records which of APP_MIGRATIONS ran.")
+        "alembic_version", pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,62}$",
+        description="Where the database records which of APP_MIGRATIONS ran (a table name).")
     idempotency_hmac_key: SecretStr | None = Field(None, description="Key of the HMAC over stored keys.")
     idempotency_hmac_key_previous: SecretStr | None = Field(
         None, description="The HMAC key before a rotation; keep it one retention window, then remove it."
@@ -221,29 +223,68 @@ def async_database_url(url: str) -> str:
 _ephemeral_keys: dict[str, bytes] = {}
 
 
-def _sqlite_key_file(database_url: str) -> bytes:
-    """The HMAC key kept beside a SQLite database file, written on first use."""
+def _sqlite_path(database_url: str) -> str | None:
+    """The file of a SQLite database URL; None for an in-memory one."""
     path_part = database_url.split("///", 1)[1] if "///" in database_url else ""
     path_part = path_part.split("?", 1)[0]
-    if not path_part or path_part == ":memory:":
+    return None if not path_part or path_part == ":memory:" else path_part
+
+
+def _sqlite_key_file(database_url: str) -> bytes:
+    """The HMAC key kept beside a SQLite database file, written on first use."""
+    path_part = _sqlite_path(database_url)
+    if path_part is None:
         # An in-memory database forgets its keys with the process; so may its HMAC key.
         return _ephemeral_keys.setdefault(database_url, secrets.token_bytes(32))
     key_path = Path(path_part + ".hmac-key")
+    token, created = _side_file(key_path)
+    if created:
+        log.warning(
+            "IDEMPOTENCY_HMAC_KEY is not set: wrote a random key to %s (mode 0600). Keep that file with the "
+            "database; set IDEMPOTENCY_HMAC_KEY in production.",
+            key_path,
+        )
+    return token
+
+
+def _side_file(path: Path) -> tuple[bytes, bool]:
+    """The secret in ``path``, and whether it was written now (a random one, mode 0600, on first use)."""
     try:
-        return key_path.read_bytes().strip()
+        return path.read_bytes().strip(), False
     except FileNotFoundError:
         pass  # first run: write one below
-    key_path.parent.mkdir(parents=True, exist_ok=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
     token = secrets.token_urlsafe(32).encode("ascii")
     try:
-        fd = os.open(key_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:  # another process wrote it first
-        return key_path.read_bytes().strip()
+        return path.read_bytes().strip(), False
     with os.fdopen(fd, "wb") as handle:
         handle.write(token + b"\n")
-    log.warning(
-        "IDEMPOTENCY_HMAC_KEY is not set: wrote a random key to %s (mode 0600). Keep that file with the "
-        "database; set IDEMPOTENCY_HMAC_KEY in production.",
-        key_path,
-    )
-    return token
+    return token, True
+
+
+@dataclass(frozen=True, slots=True)
+class LocalSecret:
+    """A secret kept in a file beside a SQLite database (see :func:`local_secret`)."""
+
+    value: str
+    path: Path
+    created: bool  # written by this call: the first run on this database
+
+
+def local_secret(database_url: str, name: str, *, variable: str) -> LocalSecret:
+    """A random secret for the embedded defaults, kept beside the SQLite database in ``<file>.<name>``
+    (mode 0600) and written on first use, as the HMAC key is when ``IDEMPOTENCY_HMAC_KEY`` is unset.
+
+    It is how an example or a laptop run gets a secret without one having a default, when the
+    environment ``variable`` that would hold it is unset. On any other database (or SQLite in memory)
+    it is a :class:`ConfigurationError` that names ``variable``: there, set it.
+    """
+    path_part = _sqlite_path(database_url) if database_url.startswith("sqlite") else None
+    if path_part is None:
+        raise ConfigurationError(f"{variable} is not set: set it (only a SQLite database file keeps a {name} "
+                                 "of its own)")
+    path = Path(path_part + "." + name)
+    token, created = _side_file(path)
+    return LocalSecret(token.decode("utf-8"), path, created)

@@ -6,7 +6,7 @@ once, whichever replica gets there first)::
     export DATABASE_URL=postgresql://app@db/app IDEMPOTENCY_HMAC_KEY=...
     consumer-kit db upgrade
     python -m examples.nightly_report init      # creates the example's own tables
-    consumer-kit run examples.nightly_report:app
+    consumer-kit run examples.nightly_report:app --port 8000   # and /healthz, /readyz, /metrics
 
 or from an external scheduler (a Kubernetes CronJob at ``0 2 * * *`` with ``timeZone: Europe/Berlin``,
 a systemd timer)::

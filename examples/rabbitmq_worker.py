@@ -5,7 +5,7 @@ Run it the way production would::
     export DATABASE_URL=postgresql://app@db/app IDEMPOTENCY_HMAC_KEY=... RABBITMQ_URL=amqp://...
     consumer-kit db upgrade
     python -m examples.rabbitmq_worker init      # creates the example's own table
-    consumer-kit run examples.rabbitmq_worker:app
+    consumer-kit run examples.rabbitmq_worker:app --port 8000   # and /healthz, /readyz, /metrics
 
 Each message on ``ORDERS_QUEUE`` (default ``orders``) must carry an AMQP ``message_id`` and a JSON
 body ``{"order": "...", "amount": 12}``. The handler inserts one ``example_orders`` row and stages an

@@ -8,7 +8,7 @@ Run it the way production would::
     # SQS_ENDPOINT_URL=http://localhost:4566 for LocalStack or moto
     consumer-kit db upgrade
     python -m examples.sqs_worker init      # the example's table, and the topic and queues if missing
-    consumer-kit run examples.sqs_worker:app
+    consumer-kit run examples.sqs_worker:app --port 8000   # and /healthz, /readyz, /metrics
 
 Publish ``{"order": "O-1", "amount": 12}`` to the ``ORDERS_TOPIC`` topic. The source unwraps the SNS
 envelope and keys each order by the topic and SNS's own ``MessageId`` (the same on every SNS retry);

@@ -72,6 +72,7 @@ from consumer_kit.keys import KeyDigester
 from consumer_kit.replay import REPLAY_HEADER, Send, unseal
 from consumer_kit.settings import Settings
 from consumer_kit.store.outbox import OutboxMessage
+from consumer_kit.tracing import SpanShape
 from sources.envelopes import EnvelopedSource, KeyFunction, amqp_cloudevent, require_cloudevents
 
 log = logging.getLogger("consumer_kit.sources.rabbitmq")
@@ -178,6 +179,7 @@ class RabbitMQSource(EnvelopedSource):
         self.dead_letter = dead_letter
         self.dead_letter_queue = dead_letter_queue or f"{queue}.dlq"
         self.retry_delays = tuple(sorted(retry_delays))
+        self.span_shape = SpanShape("consumer", system="rabbitmq", destination=queue)
         self._connection: AbstractConnection | None = None
         self._channel: AbstractChannel | None = None
         self._queue: AbstractQueue | None = None
@@ -338,6 +340,12 @@ class RabbitMQSource(EnvelopedSource):
         finally:
             with contextlib.suppress(Exception):
                 await connection.close()
+
+    def unready_reason(self) -> str | None:
+        """``broker_disconnected`` while the robust connection is being re-established (``/readyz``)."""
+        if self._connection is None or not self._connection.connected.is_set():
+            return "broker_disconnected"
+        return None
 
     async def stop(self) -> None:
         """Cancel the consumer: the broker sends no more; deliveries already received go on."""
@@ -529,7 +537,10 @@ def _text(value: Any) -> str:
 
 class AmqpPublisher:
     """Publishes outbox rows: ``destination`` is the routing key on ``exchange`` (default: the
-    default exchange, so a queue name). Connects lazily and again after any failure."""
+    default exchange, so a queue name). Connects lazily and again after any failure. The headers of
+    a row are the message's (a traced row's ``traceparent`` among them)."""
+
+    messaging_system = "rabbitmq"
 
     def __init__(self, url: str | None = None, *, exchange: str = "", settings: Settings | None = None,
                  connection_name: str = "consumer-kit-relay") -> None:

@@ -1,5 +1,5 @@
 """Shared fixtures: a fresh PostgreSQL database per test run, a SQLite file per test, and the guard
-that no raw idempotency key reaches a log record or a metric sample anywhere in the suite."""
+that no raw idempotency key reaches a log record, a metric sample or a span anywhere in the suite."""
 
 from __future__ import annotations
 
@@ -11,12 +11,16 @@ import secrets
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Coroutine, Iterator
+from collections.abc import AsyncIterator, Coroutine, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
+from opentelemetry import trace
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client import REGISTRY
 from sqlalchemy import text
 
@@ -74,6 +78,68 @@ def raw_keys_in(texts: list[str]) -> list[str]:
     return sorted({k for k in keys if k in joined})
 
 
+# Every app the suite starts traces its deliveries (OpenTelemetry's SDK, spans kept in memory), so
+# that the guard reads every span name, attribute, event and link of the suite too.
+SPANS = InMemorySpanExporter()
+_SUITE_TRACER_PROVIDER = TracerProvider()
+_SUITE_TRACER_PROVIDER.add_span_processor(SimpleSpanProcessor(SPANS))
+trace.set_tracer_provider(_SUITE_TRACER_PROVIDER)
+
+
+_KEYISH = re.compile(r":v\d+:")
+
+
+def span_texts(spans: Sequence[ReadableSpan]) -> list[str]:
+    """Everything a span shows an operator: its name, status, and every attribute value of the span,
+    its events and its links."""
+    texts: list[str] = []
+    for span in spans:
+        texts.append(span.name)
+        texts.append(span.status.description or "")
+        attribute_sets = [span.attributes, *(e.attributes for e in span.events),
+                          *(link.attributes for link in span.links)]
+        for attributes in attribute_sets:
+            texts.extend(str(value) for value in (attributes or {}).values())
+        texts.extend(e.name for e in span.events)
+    return texts
+
+
+class Spans:
+    """A tracer provider of a test's own (what it records also goes to the suite's raw-key guard)."""
+
+    def __init__(self) -> None:
+        self.exporter = InMemorySpanExporter()
+        self.provider = TracerProvider()
+        self.provider.add_span_processor(SimpleSpanProcessor(self.exporter))
+        self.provider.add_span_processor(SimpleSpanProcessor(SPANS))
+
+    @property
+    def finished(self) -> Sequence[ReadableSpan]:
+        return self.exporter.get_finished_spans()
+
+    def named(self, name: str) -> list[ReadableSpan]:
+        return [s for s in self.finished if s.name == name]
+
+    def one(self, name: str) -> ReadableSpan:
+        found = self.named(name)
+        assert len(found) == 1, [s.name for s in self.finished]
+        return found[0]
+
+    def children(self, parent: ReadableSpan) -> list[ReadableSpan]:
+        return [s for s in self.finished if s.parent is not None and s.parent.span_id == parent.context.span_id]
+
+
+@pytest.fixture
+def spans() -> Iterator[Spans]:
+    recorded = Spans()
+    yield recorded
+    recorded.provider.shutdown()
+
+
+def hex_span(span: ReadableSpan) -> tuple[str, str]:
+    return format(span.context.trace_id, "032x"), format(span.context.span_id, "016x")
+
+
 def metric_label_values() -> list[str]:
     return [value for family in REGISTRY.collect() for sample in family.samples
             for value in sample.labels.values()]
@@ -96,6 +162,12 @@ def no_raw_keys_in_logs_or_metrics() -> Iterator[_Capture]:
     assert not leaked, f"raw idempotency keys in log records: {len(leaked)}"
     leaked = raw_keys_in(metric_label_values())
     assert not leaked, f"raw idempotency keys in metric labels: {len(leaked)}"
+    spans = SPANS.get_finished_spans()
+    SPANS.clear()
+    # Only texts that could hold a key ("<namespace>:v<version>:<id>") are searched: a test's spans say
+    # far more than its log records do.
+    leaked = raw_keys_in([text for text in span_texts(spans) if _KEYISH.search(text)])
+    assert not leaked, f"raw idempotency keys in spans: {len(leaked)}"
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""The coordinator: creates governed sessions and delegations, idempotently (seed 000).
+"""The coordinator: creates sessions (its record of one task an agent may carry out) and delegations,
+idempotently: a retried creation under the same key is replayed, not made again.
 
 ``Coordinator`` is the protocol; ``EmbeddedCoordinator`` implements it in process on the project's
 database (the default), ``HttpCoordinator`` speaks the wire protocol to ``consumer-kit coordinator

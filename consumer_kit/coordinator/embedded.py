@@ -1,4 +1,4 @@
-"""EmbeddedCoordinator: seed 000's receipt semantics in process, on the project's database."""
+"""EmbeddedCoordinator: the coordinator's idempotency receipts in process, on the project's database."""
 
 from __future__ import annotations
 
@@ -95,8 +95,8 @@ class EmbeddedCoordinator(SessionScope):
         """See :meth:`Coordinator.create_delegation`. ``request.from_session_id`` must be an active
         session of this tenant and application: ``CoordinatorRejected(404, "session_not_found")``
         otherwise, or ``(409, "session_inactive")`` once it ended, expired or was revoked; a replay whose
-        session is no longer active is :class:`IdempotencyResultInactive` (seed 000: never replay an
-        identity that can no longer be used)."""
+        session is no longer active is :class:`IdempotencyResultInactive` (an identity that can no longer
+        be used is never replayed)."""
         async with self.database.connect() as ex:
             await self._check_delegation_source(ex, request, idempotency_key)
             found = await self.create_on(ex, "delegation", request, idempotency_key, generated_key)
@@ -216,8 +216,9 @@ class _SessionStep:
 
     def prepare(self, request: SessionRequest, *, idempotency_key: str,
                 request_fingerprint: str | None = None) -> Creation | None:
-        """PostgreSQL: the creation's statement parts, to ride on the claim. ``None`` on SQLite, during
-        an HMAC key rotation, or for an invalid key (:meth:`open` then does all the work, and reports)."""
+        """PostgreSQL: the creation's statement parts, to be carried by the claim's statement. ``None`` on
+        SQLite, during an HMAC key rotation, or for an invalid key (:meth:`open` then does all the work,
+        and reports)."""
         coordinator = self.coordinator
         if not self._rides:
             return None

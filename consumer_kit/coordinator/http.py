@@ -35,6 +35,7 @@ from consumer_kit.errors import (
 )
 from consumer_kit.keys import validate_key
 from consumer_kit.retry import RetryPolicy, is_retryable_status, parse_retry_after
+from consumer_kit.tracing import current_headers
 
 log = logging.getLogger("consumer_kit.coordinator.http")
 
@@ -166,6 +167,8 @@ class HttpCoordinator(SessionScope):
         bench/coordinator.py and do nothing for this protocol (no cookies, no redirects)."""
         pairs = [(name.encode("ascii"), value) for name, value in
                  {**headers, "Authorization": f"Bearer {self._token}".encode()}.items()]
+        # The current span's context (a traced delivery's), so that the coordinator's side can join it.
+        pairs += [(name.encode("ascii"), value.encode("latin-1")) for name, value in current_headers().items()]
         if self._transport is None:
             return await self._client.request(method, url, json=payload, headers=pairs)
         request = httpx.Request(method, url, json=payload, headers=pairs, extensions={"timeout": self._timeout})

@@ -1,4 +1,6 @@
-"""The coordinator's Prometheus collectors, named as seed 000 names them. No label carries a key."""
+"""The coordinator's Prometheus collectors, under the ``caracal_idempotency_*`` names of the Caracal
+coordinator whose idempotency contract ours implements, so that its dashboards read ours. No label
+carries a key."""
 
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
 """The coordinator seam: requests, receipts, the protocol, and the request fingerprint.
 
-A request carries every field seed 000 calls security-relevant; :func:`fingerprint` reduces them to
-one canonical digest, so "the same request" means the same thing in process, on the server and in
-tests. Set-like fields (labels, scopes) compare order-insensitively; mappings are serialised with
-sorted keys and no insignificant whitespace.
+A request carries every field the coordinator's idempotency contract calls security-relevant;
+:func:`fingerprint` reduces them to one canonical digest, so "the same request" means the same thing
+in process, on the server and in tests. Set-like fields (labels, scopes) compare order-insensitively;
+mappings are serialised with sorted keys and no insignificant whitespace.
 """
 
 from __future__ import annotations
@@ -41,8 +41,9 @@ class _Request(BaseModel):
 
 
 class SessionRequest(_Request):
-    """A governed session to create. Every field is security-relevant (seed 000): reusing a key with
-    any of them changed is an ``idempotency_key_conflict``."""
+    """A session to create: the coordinator's record of one task an agent may carry out (its subject,
+    labels, task, authority and lifetime). Every field is security-relevant: reusing a key with any of
+    them changed is an ``idempotency_key_conflict``."""
 
     subject: str | None = Field(None, max_length=255, description="The subject authority record id.")
     parent_session_id: str | None = Field(None, max_length=255)
@@ -81,7 +82,7 @@ def fingerprint(operation: Operation, request: SessionRequest | DelegationReques
 
 
 def generate_key() -> str:
-    """A fresh operation id of 128 random bits (seed 000), for one logical call and all its retries."""
+    """A fresh operation id of 128 random bits, for one logical call and all its retries."""
     return secrets.token_urlsafe(16)
 
 
@@ -108,12 +109,13 @@ class DelegationReceipt:
 
 @runtime_checkable
 class Coordinator(Protocol):
-    """What creates governed sessions and delegations, idempotently under an optional key."""
+    """What creates sessions and delegations, idempotently under an optional key."""
 
     async def create_session(
         self, request: SessionRequest, *, idempotency_key: str | None = None
     ) -> SessionReceipt:
-        """Create a session, or replay the one this key created; see seed 000 for the 409 cases."""
+        """Create a session, or replay the one this key created. 409 ``idempotency_key_conflict`` when
+        the key came with other fields, 409 ``idempotency_result_inactive`` when its session ended."""
         ...
 
     async def end_session(self, session_id: str) -> None:
@@ -141,7 +143,7 @@ class SessionScope(abc.ABC):
     """The ``session(...)`` context manager, for any class with ``create_session`` and ``end_session``.
 
     On an exception inside the block the session is left active: a retry of the same work replays it
-    (seed 000: a replay of an active session still enters the callback), and it expires at its TTL.
+    (a replay of an active session still enters the block), and it expires at its TTL.
     """
 
     @abc.abstractmethod
@@ -172,8 +174,8 @@ class SessionStep(Protocol):
 
     def prepare(self, request: SessionRequest, *, idempotency_key: str,
                 request_fingerprint: str | None = None) -> Creation | None:
-        """A creation to carry on the delivery's claim; ``None`` when it cannot ride (:meth:`open` then
-        makes the whole creation)."""
+        """A creation to carry on the delivery's claim (written by the claim's own statement); ``None``
+        when it cannot be carried (:meth:`open` then makes the whole creation)."""
         ...
 
     async def open(self, ex: Executor, request: SessionRequest, *, idempotency_key: str,

@@ -32,7 +32,7 @@ from consumer_kit.errors import (
     InvalidKey,
     ReceiptLimitExceeded,
 )
-from consumer_kit.httpserver import serve_until, server_config
+from consumer_kit.httpserver import listen, serve_until, server_config
 from consumer_kit.keys import validate_key
 from consumer_kit.settings import Settings
 from consumer_kit.signals import StopRequested, stop_event, unless_stopped
@@ -112,7 +112,7 @@ def create_app(coordinator: EmbeddedCoordinator, tokens: dict[str, tuple[str, st
         key = keys[0] if keys else None
         if key is not None:
             try:
-                # Starlette decodes header bytes as latin-1; keys are UTF-8 (seed 000 counts UTF-8 bytes).
+                # Starlette decodes header bytes as latin-1; keys are UTF-8 (their 255-byte limit counts UTF-8 bytes).
                 key = validate_key(key.encode("latin-1").decode("utf-8"))
             except (InvalidKey, UnicodeError):
                 metrics.REQUESTS.labels("invalid").inc()
@@ -218,6 +218,7 @@ async def serve(settings: Settings, *, host: str = "127.0.0.1", port: int = 8080
     tokens = settings.coordinator_scopes()
     if not tokens:
         log.warning("COORDINATOR_TOKENS is empty: every request will be refused with 401")
+    sock = listen(host, port)  # a port that is taken stops us before anything is opened
     engine = create_engine(settings.database_url, pool_size=settings.db_pool_size)
     try:
         await unless_stopped(ensure_schema(engine), stop)
@@ -226,8 +227,9 @@ async def serve(settings: Settings, *, host: str = "127.0.0.1", port: int = 8080
         config = server_config(app, settings, host=host, port=port, log_level="warning", access_log=False,
                                lifespan="on",
                                timeout_graceful_shutdown=int(settings.shutdown_grace_seconds) or None)
-        await serve_until(uvicorn.Server(config), stop)
+        await serve_until(uvicorn.Server(config), stop, sock)
     except StopRequested:
         log.info("stop signal during start-up: stopped before serving")
     finally:
+        sock.close()
         await engine.dispose()

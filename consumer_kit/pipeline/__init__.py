@@ -3,7 +3,7 @@
 ::
 
     key   = source.key(delivery)            no stable id / invalid key -> park, INVALID
-    claim = inbox.claim(consumer, key, fp)  txn 1, committed at once (seed 003)
+    claim = inbox.claim(consumer, key, fp)  txn 1, committed at once (a lease on the key)
       completed   -> ACK, DUPLICATE         live lease -> RETRY_LATER, IN_PROGRESS
       conflict    -> park, CONFLICT         new / expired lease -> we hold the lease
     handler(ctx)  in txn 2, which also completes the inbox row WHERE lease_token = ours
@@ -19,13 +19,16 @@ Who calls whom::
                                                        delivery's transaction
     all of them ──> store: Inbox, DeadLetters, Outbox (on one Executor per delivery)
 
-A delivery that cannot be keyed is parked here; everything else is one path's business.
+A delivery that cannot be keyed is parked here; everything else is one path's business. When tracing
+is on (:mod:`consumer_kit.tracing`), ``process`` makes the delivery's span and each path its children
+(``span``, ``commit_span`` and ``run_handler`` in work.py); when it is off they are ``None`` checks.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import httpx
 
@@ -33,7 +36,7 @@ from consumer_kit import metrics
 from consumer_kit.coordinator.protocol import Coordinator, SessionsInTransaction
 from consumer_kit.delivery import Delivery, Outcome, RefusedReplay, Result, Settlement
 from consumer_kit.errors import ConfigurationError, InvalidKey, InvalidReplay, MissingStableId
-from consumer_kit.keys import KeyDigester
+from consumer_kit.keys import KeyDigester, short
 from consumer_kit.pipeline.batch import Batch, BatchedPath
 from consumer_kit.pipeline.fate import Fate
 from consumer_kit.pipeline.leased import LeasedPath
@@ -54,6 +57,9 @@ from consumer_kit.store import DeadLetters, Inbox
 from consumer_kit.store.connections import Database
 from consumer_kit.store.diagnosis import missing_schema
 
+if TYPE_CHECKING:
+    from consumer_kit.tracing.spans import DeliveryTrace, DeliveryTracer
+
 __all__ = ["Batch", "Handler", "HandlerSpec", "Pipeline", "format_exception", "redact", "session_request"]
 
 
@@ -70,6 +76,7 @@ class Pipeline:
         digester: KeyDigester,
         http: httpx.AsyncClient | None = None,
         coordinator: Coordinator | None = None,
+        tracer: DeliveryTracer | None = None,
         on_fatal: Callable[[ConfigurationError], None] | None = None,
     ) -> None:
         self.settings = settings
@@ -78,7 +85,8 @@ class Pipeline:
         self.dead_letters = dead_letters
         self.digester = digester
         self.coordinator = coordinator
-        self.stores = Stores(settings, database, inbox, dead_letters, digester, http, on_fatal)
+        self.tracer = tracer  # None: tracing is off, and no delivery pays for it
+        self.stores = Stores(settings, database, inbox, dead_letters, digester, http, tracer, on_fatal)
         self.fate = Fate(self.stores)
         # Asked once: can the coordinator keep a delivery's session inside the delivery's transaction?
         step = coordinator.session_step(database) if isinstance(coordinator, SessionsInTransaction) else None
@@ -99,10 +107,13 @@ class Pipeline:
             counters = self._metrics[source] = metrics.SourceMetrics(source)
         counters.in_flight += 1
         started = asyncio.get_running_loop().time()
+        trace = self.tracer.delivery(spec, delivery) if self.tracer is not None else None
         try:
-            result = await self._process(spec, delivery)
-        except asyncio.CancelledError:
+            result = await self._process(spec, delivery, trace)
+        except asyncio.CancelledError as exc:
             counters.delivered("cancelled")
+            if trace is not None:
+                trace.end(None, exc)
             raise
         except Exception as exc:  # the store failed: nothing was decided, so try the delivery again
             schema = missing_schema(exc)
@@ -113,14 +124,19 @@ class Pipeline:
                           extra={"source": source})
             result = Result(Outcome.RETRY, Settlement.RETRY_LATER, "store_error" if schema is None else
                             "schema_missing", delay=self.settings.retry_later_seconds)
+            if trace is not None:
+                trace.end(result, exc)
+                trace = None
         finally:
             counters.in_flight -= 1
+        if trace is not None:
+            trace.end(result)
         if result.outcome is Outcome.PROCESSED:
             counters.handler_seconds.observe(asyncio.get_running_loop().time() - started)
         counters.delivered(result.outcome.value)
         return result
 
-    async def _process(self, spec: HandlerSpec, delivery: Delivery) -> Result:
+    async def _process(self, spec: HandlerSpec, delivery: Delivery, trace: DeliveryTrace | None) -> Result:
         try:
             if isinstance(delivery, RefusedReplay):
                 raise InvalidReplay(delivery.why)
@@ -128,7 +144,9 @@ class Pipeline:
         except (MissingStableId, InvalidKey) as exc:
             await self.fate.park(spec, delivery, None, exc.reason, str(exc), attempts=delivery.attempt, ex=None)
             return Result(Outcome.INVALID, Settlement.DEAD_LETTER, exc.reason)
-        work = Work(spec, delivery, key, self.digester.candidates(key), delivery.fingerprint())
+        work = Work(spec, delivery, key, self.digester.candidates(key), delivery.fingerprint(), trace=trace)
+        if trace is not None:
+            trace.keyed(delivery, key, short(work.digests[0]))  # not work.digest: that is the claim's, once made
         if delivery.sent_at is not None:
             age = (delivery.received_at - delivery.sent_at).total_seconds()
             self._metrics[spec.source.name].age.observe(max(0.0, age))

@@ -34,12 +34,13 @@ from typing import TYPE_CHECKING
 from consumer_kit import metrics
 from consumer_kit.delivery import Outcome, Result, Settlement
 from consumer_kit.pipeline.fate import Fate
-from consumer_kit.pipeline.work import Stores, Work, log, run_handler
+from consumer_kit.pipeline.work import NO_COMMIT, NO_SPAN, Stores, Work, log, run_handler
 from consumer_kit.store.executor import Executor
 from consumer_kit.store.inbox import BatchKey, Claim, ClaimStatus
 
 if TYPE_CHECKING:
     from consumer_kit.pipeline.single import SinglePath
+    from consumer_kit.tracing.spans import BatchTrace
 
 MAX_BATCH = 64
 """The largest batch: PostgreSQL keeps 64 subtransactions per transaction in shared memory."""
@@ -145,11 +146,15 @@ class BatchedPath:
 
     async def _settle(self, items: list[tuple[Work, asyncio.Future[Result]]]) -> None:
         futures = {id(work): future for work, future in items}
+        tracer = self.stores.tracer
+        # Traced: the batch's span is current in its task (which was started from some delivery's).
+        trace = tracer.batch(work for work, _ in items) if tracer is not None else None
         try:
-            async for work, result in self._batch([work for work, _ in items]):
-                future = futures.pop(id(work))
-                if not future.done():
-                    future.set_result(result)
+            with NO_SPAN if trace is None else trace:
+                async for work, result in self._batch([work for work, _ in items], trace):
+                    future = futures.pop(id(work))
+                    if not future.done():
+                        future.set_result(result)
         except BaseException as exc:
             for future in futures.values():
                 if not future.done():
@@ -157,7 +162,7 @@ class BatchedPath:
             if not isinstance(exc, Exception):
                 raise
 
-    async def _batch(self, works: list[Work]) -> AsyncIterator[tuple[Work, Result]]:
+    async def _batch(self, works: list[Work], trace: BatchTrace | None) -> AsyncIterator[tuple[Work, Result]]:
         """Yield ``(work, result)`` for every delivery of a batch, once its fate is known."""
         first: dict[str, Work] = {}
         twins: list[Work] = []
@@ -168,18 +173,19 @@ class BatchedPath:
                 first[work.digests[0]] = work
         metrics.BATCH_SIZE.observe(len(first))
         after: list[Work] = []
-        async for item in self._transactions(list(first.values()), after):
+        async for item in self._transactions(list(first.values()), after, trace):
             yield item
         for work in after + twins:  # out of the batch: the single-delivery path, one by one
             yield work, await self.single.run(work)
 
-    async def _transactions(self, works: list[Work], after: list[Work]) -> AsyncIterator[tuple[Work, Result]]:
+    async def _transactions(self, works: list[Work], after: list[Work],
+                            trace: BatchTrace | None) -> AsyncIterator[tuple[Work, Result]]:
         spec = works[0].spec
         remaining = works
         async with self.stores.database.connect(session=spec.uses_db) as ex:
             while remaining:
                 try:
-                    ran, settled = await self._attempt(ex, remaining)
+                    ran, settled = await self._attempt(ex, remaining, trace)
                 except _HandlerFailed as failed:  # rolled back: the rest runs again without it
                     self._remember(failed.work)
                     after.append(failed.work)
@@ -196,7 +202,7 @@ class BatchedPath:
                     metrics.BATCH_BISECTIONS.inc()
                     half = len(remaining) // 2
                     for part in (remaining[:half], remaining[half:]):
-                        async for item in self._transactions(part, after):
+                        async for item in self._transactions(part, after, trace):
                             yield item
                     return
                 for work in ran:
@@ -210,27 +216,32 @@ class BatchedPath:
                         yield work, await self.fate.not_acquired(work, claim, ex)
                 return
 
-    async def _attempt(self, ex: Executor, works: list[Work]) -> tuple[list[Work], list[tuple[Work, Claim]]]:
+    async def _attempt(self, ex: Executor, works: list[Work],
+                       trace: BatchTrace | None) -> tuple[list[Work], list[tuple[Work, Claim]]]:
         stores, spec = self.stores, works[0].spec
         ran: list[Work] = []
         settled: list[tuple[Work, Claim]] = []
-        async with ex.begin(deferred=True):
-            claims = await stores.inbox.claim_batch(
-                ex, spec.consumer,
-                [BatchKey(w.digests[0], w.key.namespace, w.key.version, w.fingerprint) for w in works],
-                outcome=Outcome.PROCESSED.value)
-            for work, claim in zip(works, claims, strict=True):
-                if claim.acquired and claim.attempts > 0:
-                    work.claim = claim
-                    ran.append(work)
-                else:
-                    settled.append((work, claim))
-            for work in ran:
-                try:
-                    await run_handler(stores, ex, work)
-                except Exception as exc:
-                    work.log(logging.INFO, f"handler failed in a batch ({type(exc).__name__}); it runs alone")
-                    raise _HandlerFailed(work) from exc
+        links = None if trace is None else trace.link
+        with NO_COMMIT if trace is None else trace.commit() as committing:
+            async with ex.begin(deferred=True):
+                with NO_SPAN if trace is None else trace.child("claim"):
+                    claims = await stores.inbox.claim_batch(
+                        ex, spec.consumer,
+                        [BatchKey(w.digests[0], w.key.namespace, w.key.version, w.fingerprint) for w in works],
+                        outcome=Outcome.PROCESSED.value)
+                for work, claim in zip(works, claims, strict=True):
+                    if claim.acquired and claim.attempts > 0:
+                        work.claim = claim
+                        ran.append(work)
+                    else:
+                        settled.append((work, claim))
+                for work in ran:
+                    try:
+                        await run_handler(stores, ex, work, links)
+                    except Exception as exc:
+                        work.log(logging.INFO, f"handler failed in a batch ({type(exc).__name__}); it runs alone")
+                        raise _HandlerFailed(work) from exc
+                committing()
         return ran, settled
 
     def _remember(self, work: Work) -> None:

@@ -1,4 +1,5 @@
-"""The two-transaction path (seed 003), the default: safe for handlers that call out.
+"""The two-transaction path, the default: safe for handlers that call out (a lease on the key, committed
+first; then the handler's effect and the record that the delivery is done, committed together).
 
 ::
 
@@ -43,10 +44,12 @@ from consumer_kit.pipeline.work import (
     HandlerSpec,
     Stores,
     Work,
+    commit_span,
     describe,
     redact,
     run_handler,
     session_request,
+    span,
     usable,
 )
 from consumer_kit.store.executor import Executor
@@ -96,9 +99,10 @@ class LeasedPath:
         """Claim the key and open the session; the settlement when the delivery ends here."""
         spec, stores = work.spec, self.stores
         creation, invalid = self._prepare_session(work)
-        claim = await stores.inbox.claim(ex, spec.consumer, work.digests, work.fingerprint,
-                                         namespace=work.key.namespace, version=work.key.version,
-                                         creation=creation, read_first=self._duplicates.read_first(spec.consumer))
+        with span(work, "claim"):
+            claim = await stores.inbox.claim(ex, spec.consumer, work.digests, work.fingerprint,
+                                             namespace=work.key.namespace, version=work.key.version,
+                                             creation=creation, read_first=self._duplicates.read_first(spec.consumer))
         self._duplicates.count(spec.consumer, taken=not claim.acquired)
         if not claim.acquired:
             return await self.fate.not_acquired(work, claim, ex)
@@ -125,18 +129,20 @@ class LeasedPath:
     async def _attempt(self, ex: Executor, work: Work) -> None:
         stores, claim, step, receipt = self.stores, work.claim, self.step, work.receipt
         assert claim is not None and claim.lease_token is not None
-        async with ex.begin(deferred=True):
-            await run_handler(stores, ex, work)
-            ending = step.ending(receipt.session_id) if step is not None and receipt is not None else None
-            if not await stores.inbox.complete(ex, work.spec.consumer, claim.digest, claim.lease_token,
-                                               outcome=Outcome.PROCESSED.value, ending=ending):
-                raise LeaseLost()
-            if step is not None and receipt is not None and ending is not None:
-                if not await step.end(ex, ending, receipt.session_id):
-                    work.log(logging.WARNING, "the coordinator session to end was not found")
+        with commit_span(work) as committing:
+            async with ex.begin(deferred=True):
+                await run_handler(stores, ex, work)
+                committing()
+                ending = step.ending(receipt.session_id) if step is not None and receipt is not None else None
+                if not await stores.inbox.complete(ex, work.spec.consumer, claim.digest, claim.lease_token,
+                                                   outcome=Outcome.PROCESSED.value, ending=ending):
+                    raise LeaseLost()
+                if step is not None and receipt is not None and ending is not None:
+                    if not await step.end(ex, ending, receipt.session_id):
+                        work.log(logging.WARNING, "the coordinator session to end was not found")
 
     def _prepare_session(self, work: Work) -> tuple[Creation | None, str | None]:
-        """The handler's session request (and, with a step, its creation to ride on the claim); or
+        """The handler's session request (and, with a step, its creation to be carried by the claim); or
         why the request is invalid (a ``task`` callable that returned what no session can carry)."""
         spec = work.spec
         if not spec.wants_session or self.coordinator is None:
@@ -164,18 +170,19 @@ class LeasedPath:
 
     async def _open_session(self, ex: Executor, work: Work, creation: Creation | None) -> Result | None:
         """The coordinator step, after the claim: the session is created (or replayed: a replay of an
-        active session still runs the handler, seed 000) into ``work.receipt``; or the delivery's
+        active session still runs the handler) into ``work.receipt``; or the delivery's
         settlement: parked on a conflict or an inactive result, handed back (lease released) when the
         coordinator is unavailable past its own retry budget or at the receipt cap."""
         assert self.coordinator is not None and work.request is not None
         key = work.key.derive("session")
         try:
-            if self.step is not None:
-                carried = (creation, work.claim.carried) if creation is not None and work.claim is not None \
-                    and work.claim.carried is not None else None
-                work.receipt = await self.step.open(ex, work.request, idempotency_key=key, carried=carried)
-            else:
-                work.receipt = await self.coordinator.create_session(work.request, idempotency_key=key)
+            with span(work, "coordinator.session"):
+                if self.step is not None:
+                    carried = (creation, work.claim.carried) if creation is not None and work.claim is not None \
+                        and work.claim.carried is not None else None
+                    work.receipt = await self.step.open(ex, work.request, idempotency_key=key, carried=carried)
+                else:
+                    work.receipt = await self.coordinator.create_session(work.request, idempotency_key=key)
             return None
         except IdempotencyKeyConflict as exc:
             return await self.fate.dead(work, exc.reason, describe(exc, work.key), ex, Outcome.CONFLICT)
@@ -192,7 +199,8 @@ class LeasedPath:
         assert self.coordinator is not None and work.receipt is not None
         receipt: SessionReceipt = work.receipt
         try:
-            await self.coordinator.end_session(receipt.session_id)
+            with span(work, "coordinator.end_session"):
+                await self.coordinator.end_session(receipt.session_id)
         except Exception as exc:
             work.log(logging.WARNING, f"ending the coordinator session failed ({type(exc).__name__})")
 

@@ -24,7 +24,17 @@ import logging
 
 from consumer_kit.delivery import Outcome, Result, Settlement
 from consumer_kit.pipeline.fate import Failed, Fate, NotAcquired
-from consumer_kit.pipeline.work import TAKEN, DuplicateShare, Stores, Work, describe, run_handler, usable
+from consumer_kit.pipeline.work import (
+    TAKEN,
+    DuplicateShare,
+    Stores,
+    Work,
+    commit_span,
+    describe,
+    run_handler,
+    span,
+    usable,
+)
 from consumer_kit.store import Claim, ClaimStatus
 from consumer_kit.store.executor import Executor
 from consumer_kit.store.inbox import claimable, verdict
@@ -48,7 +58,8 @@ class SinglePath:
         # asyncpg), else the store pool's.
         async with stores.database.connect(session=spec.uses_db) as ex:
             if self._duplicates.read_first(spec.consumer):
-                existing = await stores.inbox.lookup(ex, spec.consumer, work.digests)
+                with span(work, "claim"):
+                    existing = await stores.inbox.lookup(ex, spec.consumer, work.digests)
                 if existing is not None and not claimable(existing, work.fingerprint, stores.inbox.clock()):
                     self._duplicates.count(spec.consumer, taken=True)
                     return await self.fate.not_acquired(work, verdict(existing, work.fingerprint), ex)
@@ -75,11 +86,14 @@ class SinglePath:
 
     async def _attempt(self, ex: Executor, work: Work) -> None:
         stores, spec = self.stores, work.spec
-        async with ex.begin(deferred=True):
-            claim = await stores.inbox.claim_completed(
-                ex, spec.consumer, work.digests, work.fingerprint, namespace=work.key.namespace,
-                version=work.key.version, outcome=Outcome.PROCESSED.value)
-            if not claim.acquired:
-                raise NotAcquired(claim)
-            work.claim = claim
-            await run_handler(stores, ex, work)
+        with commit_span(work) as committing:
+            async with ex.begin(deferred=True):
+                with span(work, "claim"):
+                    claim = await stores.inbox.claim_completed(
+                        ex, spec.consumer, work.digests, work.fingerprint, namespace=work.key.namespace,
+                        version=work.key.version, outcome=Outcome.PROCESSED.value)
+                if not claim.acquired:
+                    raise NotAcquired(claim)
+                work.claim = claim
+                await run_handler(stores, ex, work)
+                committing()

@@ -22,9 +22,13 @@ from consumer_kit.settings import Settings
 from consumer_kit.store import Claim, DeadLetters, Inbox, OutboxWriter
 from consumer_kit.store.connections import Database
 from consumer_kit.store.executor import Executor
+from consumer_kit.tracing import current_headers
 
 if TYPE_CHECKING:
+    from opentelemetry.trace import Link
+
     from consumer_kit.pipeline.batch import Batch
+    from consumer_kit.tracing.spans import DeliveryTrace, DeliveryTracer
 
 log = logging.getLogger("consumer_kit.pipeline")
 
@@ -69,6 +73,7 @@ class Work:
     connection: Executor | None = None  # the one the delivery holds, once it holds one
     request: SessionRequest | None = None
     receipt: SessionReceipt | None = None
+    trace: DeliveryTrace | None = None  # the delivery's span, when tracing is on
     _digest: str = field(default="")
 
     @property
@@ -130,6 +135,7 @@ class Stores:
     dead_letters: DeadLetters
     digester: KeyDigester
     http: httpx.AsyncClient | None
+    tracer: DeliveryTracer | None = None
     on_fatal: Callable[[ConfigurationError], None] | None = None
 
     def fatal(self, error: ConfigurationError) -> None:
@@ -138,6 +144,21 @@ class Stores:
             self.on_fatal(error)
         else:
             log.error("%s", error)
+
+
+NO_SPAN: contextlib.nullcontext[None] = contextlib.nullcontext()
+NO_COMMIT: contextlib.nullcontext[Callable[[], None]] = contextlib.nullcontext(lambda: None)
+
+
+def span(work: Work, name: str) -> contextlib.AbstractContextManager[object]:
+    """A child span of the delivery's named ``name``, current inside the block; nothing when tracing is off."""
+    return NO_SPAN if work.trace is None else work.trace.child(name)
+
+
+def commit_span(work: Work) -> contextlib.AbstractContextManager[Callable[[], None]]:
+    """The ``commit`` span, to wrap a transaction: the block gets a function that starts the span
+    (call it after the handler), which ends when the block is left; nothing when tracing is off."""
+    return NO_COMMIT if work.trace is None else work.trace.commit()
 
 
 @contextlib.asynccontextmanager
@@ -152,20 +173,23 @@ async def usable(stores: Stores, ex: Executor | None) -> AsyncIterator[Executor]
         yield own
 
 
-async def run_handler(stores: Stores, ex: Executor, work: Work) -> None:
+async def run_handler(stores: Stores, ex: Executor, work: Work, links: Sequence[Link] | None = None) -> None:
     """Run the handler inside ``ex``'s transaction, then write what it staged (outbox rows, ORM objects)
-    in the same transaction. The caller completes the inbox row and commits."""
+    in the same transaction. The caller completes the inbox row and commits. Traced, it runs in a
+    ``handler`` span (``links``: to the batch it runs in), whose context each outbox row carries."""
     spec, claim = work.spec, work.claim
     assert claim is not None
+    outbox = OutboxWriter(stores.digester, spec.consumer, work.key, clock=stores.inbox.clock,
+                          trace_headers=None if work.trace is None else current_headers)
     ctx = Context(key=work.key, delivery=work.delivery, executor=ex, attempt=work.attempts,
-                  key_digest=work.digest, outbox=OutboxWriter(stores.digester, spec.consumer, work.key,
-                                                               clock=stores.inbox.clock),
-                  session=work.receipt, http=stores.http)
-    await spec.func(ctx)
-    await ctx.outbox.flush(ex)
-    session: AsyncSession | None = ex.session_made()
-    if session is not None and (session.new or session.dirty or session.deleted):  # ORM objects to write
-        await session.flush()
+                  key_digest=work.digest, outbox=outbox, session=work.receipt, http=stores.http)
+    with NO_SPAN if work.trace is None else work.trace.child(
+            "handler", attributes={"consumer_kit.attempt": ctx.attempt}, links=links):
+        await spec.func(ctx)
+        await ctx.outbox.flush(ex)
+        session: AsyncSession | None = ex.session_made()
+        if session is not None and (session.new or session.dirty or session.deleted):  # ORM objects to write
+            await session.flush()
 
 
 def session_request(spec: HandlerSpec, delivery: Delivery, settings: Settings) -> SessionRequest:

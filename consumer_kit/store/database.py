@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from importlib import resources
@@ -22,10 +23,9 @@ from typing import TYPE_CHECKING, Any
 
 from alembic import command
 from alembic.config import Config
-from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from alembic.util.exc import CommandError
-from sqlalchemy import Connection, event
+from sqlalchemy import Connection, event, inspect, text
 from sqlalchemy.engine import ExceptionContext, make_url
 from sqlalchemy.exc import ArgumentError, NoSuchModuleError
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
@@ -186,8 +186,19 @@ def _upgrade(connection: Connection, revision: str, app: AppMigrations | None) -
             raise ConfigurationError(f"APP_MIGRATIONS {str(app.directory)!r}: {exc}") from None
 
 
+@functools.cache
+def head_revision() -> str | None:
+    """The newest revision this package ships (read from the migration scripts once)."""
+    return ScriptDirectory.from_config(alembic_config()).get_current_head()
+
+
 def _current(connection: Connection, table: str = VERSION_TABLE) -> str | None:
-    return MigrationContext.configure(connection, opts={"version_table": table}).get_current_revision()
+    # The version table read directly rather than through alembic's MigrationContext, which logs two
+    # INFO lines each time: too many for a readiness probe every few seconds.
+    if not inspect(connection).has_table(table):
+        return None
+    versions = connection.execute(text(f'SELECT version_num FROM "{table}"')).scalars().all()
+    return versions[0] if len(versions) == 1 else None
 
 
 @contextlib.asynccontextmanager
@@ -213,9 +224,8 @@ async def upgrade(engine: AsyncEngine, revision: str = "head", *, app: AppMigrat
 
 async def schema_revisions(engine: AsyncEngine) -> tuple[str | None, str | None]:
     """``(current, head)``: the database's revision and the newest one this package ships."""
-    head = ScriptDirectory.from_config(alembic_config()).get_current_head()
     async with _reachable(engine), engine.connect() as conn:
-        return await conn.run_sync(_current), head
+        return await conn.run_sync(_current), head_revision()
 
 
 async def app_revisions(engine: AsyncEngine, app: AppMigrations) -> tuple[str | None, str | None]:

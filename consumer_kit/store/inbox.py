@@ -1,5 +1,5 @@
-"""The inbox: seed 003's key store, one method per database operation, each on the connection (and in
-the transaction) the caller hands it.
+"""The inbox: the store of delivery keys (each with its lease, state and fingerprint), one method per
+database operation, each on the connection (and in the transaction) the caller hands it.
 
 A claim is its own statement, committed at once, so that other attempts see it (an uncommitted claim
 is invisible, and a crash would roll it back with nothing to take over). Completion happens inside the
@@ -103,8 +103,8 @@ class Inbox:
     async def claim(self, ex: Executor, consumer: str, digests: Sequence[str], fingerprint: str, *,
                     namespace: str, version: int, creation: Creation | None = None,
                     read_first: bool = False) -> Claim:
-        """Txn 1 of seed 003, in autocommit: take the lease on a new or abandoned key, or report what
-        holds it. ``digests[0]`` is the digest under the current HMAC key; a row written under the
+        """The first of a delivery's two transactions, in autocommit: take the lease on a new or abandoned
+        key, or report what holds it. ``digests[0]`` is the digest under the current HMAC key; a row written under the
         previous one is still honoured. ``creation`` (PostgreSQL) commits in the claim's statement when,
         and only when, the claim takes the lease; its row is ``Claim.carried``. ``read_first``: look
         the key up before claiming it on PostgreSQL too (cheaper when duplicates are common)."""
@@ -235,7 +235,7 @@ class Inbox:
 
     async def complete(self, ex: Executor, consumer: str, digest: str, token: str, *, outcome: str,
                        ending: Ending | None = None) -> bool:
-        """Txn 2 of seed 003, inside the handler's transaction: mark the row completed if the lease is
+        """The second transaction, the handler's own: mark the row completed if the lease is
         still ours. ``False`` means another attempt took over: the caller must roll back. ``ending``
         (PostgreSQL) ends the coordinator's session in the same statement (``Ending.ended``)."""
         now = self.clock()

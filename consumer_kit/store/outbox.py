@@ -30,6 +30,7 @@ from consumer_kit.store import sql
 from consumer_kit.store.connections import Database
 from consumer_kit.store.executor import Executor, Row, SqlAlchemyExecutor
 from consumer_kit.store.inbox import Clock, utcnow
+from consumer_kit.tracing import current_headers
 
 NOTIFY_CHANNEL = "consumer_kit_outbox"
 """PostgreSQL channel notified when outbox rows are written; relays LISTEN on it."""
@@ -80,6 +81,9 @@ class OutboxWriter:
     consumer: str
     key: OperationKey
     clock: Clock = utcnow
+    trace_headers: Callable[[], Mapping[str, str]] | None = None
+    """Traced, the current span's context as headers (``traceparent``...), stored with each row so
+    that the relay publishes it on; headers given to :meth:`publish` win."""
     _rows: list[dict[str, Any]] = field(default_factory=list)
 
     def publish(self, destination: str, body: bytes | str, *, headers: Mapping[str, str] | None = None,
@@ -91,6 +95,8 @@ class OutboxWriter:
         """
         position = len(self._rows)
         message_id = self.digester.digest(f"outbox:{self.consumer}:{position}:{self.key}")
+        if self.trace_headers is not None:
+            headers = {**self.trace_headers(), **(headers or {})}
         self._rows.append(_row(message_id, destination, body, headers, self.clock(), delay))
         return message_id
 
@@ -129,6 +135,7 @@ class Outbox:
                       headers: Mapping[str, str] | None = None, message_id: str | None = None,
                       delay: float = 0.0) -> str:
         """Insert a message inside the caller's SQLAlchemy transaction (outside a handler); returns its id.
+        With a span current (OpenTelemetry), the row carries its context (see :mod:`consumer_kit.tracing`).
 
         Pass ``message_id`` when the caller has a stable identity for the message (so a repeated
         transaction cannot publish twice under different ids); by default it is random.
@@ -137,6 +144,7 @@ class Outbox:
         conn = await session.connection() if isinstance(session, AsyncSession) else session
         if not conn.in_transaction():
             raise RuntimeError("Outbox.enqueue runs inside the caller's transaction: begin one first")
+        headers = {**current_headers(), **(headers or {})}  # the current span's context, if any
         await write(SqlAlchemyExecutor(conn), [_row(message_id, destination, body, headers, self.clock(), delay)])
         return message_id
 

@@ -1,4 +1,4 @@
-"""The embedded coordinator's receipt store (seed 000): receipts, governed resources, scope counts.
+"""The embedded coordinator's receipt store: receipts, the sessions and delegations they made, scope counts.
 
 One method per operation, each on the connection the caller hands it. A receipt holds only the HMAC
 digest of its key, the fingerprint of the request and the small response (id, status, expiry).
@@ -10,7 +10,7 @@ nothing, so the second caller reads the committed receipt and replays it. On Pos
 case is one statement (:data:`~consumer_kit.store.sql.CREATE_RESOURCE`).
 
 :class:`Creation` and :class:`Ending` are the private contract with the inbox: a prepared creation can
-ride on the inbox's claim and an ending on its completion (see :mod:`consumer_kit.store.sql`).
+be carried by the inbox's claim and an ending by its completion (see :mod:`consumer_kit.store.sql`).
 """
 
 from __future__ import annotations
@@ -320,7 +320,7 @@ class ReceiptStore:
 
 
 def _response(resource_id: str, expires_at: datetime) -> dict[str, str]:
-    """The stored response: the resource's id, status and expiry, nothing else (seed 000)."""
+    """The stored response: the resource's id, status and expiry, nothing else."""
     return {"id": resource_id, "status": "active", "expires_at": expires_at.isoformat()}
 
 

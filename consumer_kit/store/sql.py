@@ -73,7 +73,7 @@ INBOX_COLUMNS = (
 # milliseconds at tens of thousands of rows). A row under the previous HMAC key is a second lookup.
 LOOKUP = Statement(f"SELECT {INBOX_COLUMNS} FROM inbox WHERE consumer = :consumer AND key_digest = :key_digest")
 
-# The two-transaction claim (seed 003, txn 1), in autocommit: insert the row, or take over a started
+# The two-transaction claim (the first transaction), in autocommit: insert the row, or take over a started
 # row for the same request whose lease ran out or was released; concurrent claimers serialise on the
 # row and one gets it. RETURNING gives the attempts when this claim took the lease.
 _UPSERT_STARTED = (
@@ -172,7 +172,7 @@ FINISH_STARTED = Statement(
     " RETURNING attempts"
 )
 
-# Seed 003's completion, inside the handler's transaction, only while the lease is ours. The expiry
+# The completion (the second transaction), inside the handler's transaction, only while the lease is ours. The expiry
 # the claim wrote is kept when it is at least ``keep_from`` (the completion's own, less a lease): an
 # update that changes no indexed column can be a heap-only tuple update on PostgreSQL, which writes no
 # index entries (ix_inbox_expires_at is the only index besides the key). Retention then counts from
@@ -430,7 +430,7 @@ RECEIPT_STATS = Statement("SELECT count(*) AS receipts, min(created_at) AS oldes
 
 # PostgreSQL's one-statement creation, in autocommit: a new key whose stripe has room takes the slot,
 # writes the receipt and the resource, or reports the receipt that exists. ``gate`` lets the
-# creation ride on the inbox's claim (only when the claim took the lease).
+# creation be carried by the inbox's claim (only when the claim took the lease).
 def _creation_ctes(gate: str) -> str:
     return (
         "existing AS (SELECT r.fingerprint, r.resource_id, r.response, r.expires_at AS receipt_expires_at,"

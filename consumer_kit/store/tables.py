@@ -153,7 +153,7 @@ outbox = Table(
     Index("ix_outbox_pending", "published_at", "available_at"),
 )
 
-# The embedded coordinator's (seed 000). Keys appear only as HMAC-SHA-256 digests; receipts hold
+# The embedded coordinator's. Keys appear only as HMAC-SHA-256 digests; receipts hold
 # bounded operational fields only (no metadata, invocation parameters, credentials or bearer tokens).
 
 coordinator_resources = Table(

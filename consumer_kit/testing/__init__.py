@@ -1,4 +1,4 @@
-"""Helpers for tests: a source with no broker, and a harness that proves seed 000's recipe for a
+"""Helpers for tests: a source with no broker, and a harness that proves the retry-safety recipe for a
 user's own handler (replay, conflict, inactive, effect once). The pytest plugin
 (``consumer_kit.testing.plugin``) adds fixtures."""
 

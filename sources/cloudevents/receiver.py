@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hmac
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -35,6 +36,7 @@ from consumer_kit.http import (
 from consumer_kit.http_intake import HttpIntake, reject, respond, single_headers
 from consumer_kit.keys import OperationKey
 from consumer_kit.settings import Settings
+from consumer_kit.tracing import TRACE_HEADERS
 from sources.cloudevents.event import (
     CloudEventDelivery,
     InvalidEvent,
@@ -116,6 +118,11 @@ class CloudEventsSource(HttpIntake):
         headers = single_headers(request, ("content-type",), single_prefix="ce-")
         body = await self.read_body(request)
         media = _media_type(headers)
+        # An event's delivery keeps only its own attributes as headers; the request's trace context
+        # goes along, so that the delivery continues the request's trace (consumer_kit.tracing).
+        carried = {name: headers[name] for name in TRACE_HEADERS if name in headers}
+        if carried:
+            dispatch = _carrying(dispatch, carried)
         if media == BATCH:
             if not self.batch:
                 raise UnsupportedMediaType()
@@ -187,6 +194,13 @@ def batch_response(results: Sequence[Result]) -> Response:
     elif any(a.status == 202 for a in answers):
         status = 202
     return JSONResponse({"results": [a.body for a in answers]}, status_code=status, headers=headers)
+
+
+def _carrying(dispatch: Dispatch, carried: Mapping[str, str]) -> Dispatch:
+    async def with_context(delivery: Delivery) -> Result:
+        return await dispatch(replace(delivery, headers={**delivery.headers, **carried}))
+
+    return with_context
 
 
 def _media_type(headers: Mapping[str, str]) -> str:

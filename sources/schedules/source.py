@@ -16,6 +16,7 @@ from consumer_kit.keys import OperationKey
 from consumer_kit.settings import Settings
 from consumer_kit.store import Database
 from consumer_kit.store.schedules import PendingTick, ScheduleId, ScheduleStore, TickRecord
+from consumer_kit.tracing import SpanShape
 from sources.schedules import timing
 from sources.schedules.catchup import CatchUp, Overlap
 from sources.schedules.clock import DatabaseClock, ScheduleClock
@@ -96,6 +97,7 @@ class Schedule:
         timing.check_fires(self.timing, datetime.now(UTC))
         self.name = self.namespace = name
         self.version = version
+        self.span_shape = SpanShape("internal", attributes={"consumer_kit.schedule": name})
         self.catch_up: CatchUp = catch_up
         self.overlap: Overlap = overlap
         self.max_catch_up = max_catch_up

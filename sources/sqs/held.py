@@ -18,6 +18,7 @@ REASON_ATTRIBUTE = "x-consumer-kit-reason"
 KEY_DIGEST_ATTRIBUTE = "x-consumer-kit-key-digest"
 SOURCE_QUEUE_ATTRIBUTE = "x-consumer-kit-queue"
 MAX_ATTRIBUTES = 10  # SQS: message attributes per message
+XRAY_HEADER = "x-amzn-trace-id"
 
 
 @dataclass(eq=False)
@@ -45,7 +46,8 @@ class HeldMessage:
 
     def headers(self) -> dict[str, str]:
         """Its message attributes as headers (string and number values as sent, binary ones base64),
-        with ``sqs-message-id`` and, on FIFO queues, ``sqs-message-group-id``."""
+        with ``sqs-message-id``, on FIFO queues ``sqs-message-group-id``, and SQS's ``AWSTraceHeader``
+        (when the sender set one) as ``x-amzn-trace-id``."""
         headers: dict[str, str] = {}
         for name, value in (self.raw.get("MessageAttributes") or {}).items():
             if "StringValue" in value:
@@ -55,6 +57,9 @@ class HeldMessage:
         headers["sqs-message-id"] = self.id
         if self.group is not None:
             headers["sqs-message-group-id"] = self.group
+        xray = self.raw.get("Attributes", {}).get("AWSTraceHeader")
+        if xray:  # under X-Ray's HTTP header name, where tracing looks for it (consumer_kit.tracing)
+            headers[XRAY_HEADER] = xray
         return headers
 
     def visibility(self, seconds: float) -> Callable[[], dict[str, Any]]:

@@ -17,6 +17,9 @@ GROUP_HEADER = "message-group-id"
 _ATTRIBUTE_NAME = re.compile(r"^(?!(?i:aws\.|amazon\.))[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*$")
 
 
+_TRACE_ORDER = ("traceparent", "tracestate", "baggage")
+
+
 class SqsPublisher:
     """Publishes outbox rows to SQS with ``SendMessageBatch``: the relay's concurrent publishes are
     gathered ten to a call (or after ``linger`` seconds).
@@ -28,9 +31,14 @@ class SqsPublisher:
     ``message-group-id`` header (``group_header=``) is the ``MessageGroupId``; a FIFO message without
     it fails with a clear error rather than guessing a group; messages reach a FIFO queue in the order
     the relay hands them over while sends succeed (a failed one is sent again later, after others).
+    A row's trace context (``traceparent``, ``tracestate``, ``baggage``) goes as attributes too, as
+    far as the ten allow: it is left out (``baggage`` first) rather than fail a message with many
+    headers of its own.
     Endpoint and region come from
     ``SQS_ENDPOINT_URL`` / ``SQS_REGION`` unless given.
     """
+
+    messaging_system = "aws_sqs"
 
     def __init__(self, *, settings: Settings | None = None, endpoint_url: str | None = None,
                  region: str | None = None, group_header: str = GROUP_HEADER, linger: float = 0.005,
@@ -85,6 +93,9 @@ class SqsPublisher:
 
     def _entry(self, message: OutboxMessage, *, fifo: bool) -> dict[str, Any]:
         attributes = {MESSAGE_ID_ATTRIBUTE: message.id, **message.headers}
+        for name in reversed(_TRACE_ORDER):  # trace context is what gives way to the message's own
+            if len(attributes) > 10:
+                attributes.pop(name, None)
         if len(attributes) > 10:
             raise ValueError(f"SQS allows 10 message attributes; this message has {len(message.headers)} headers "
                              "besides its id")

@@ -23,6 +23,7 @@ from consumer_kit.errors import ConfigurationError
 from consumer_kit.keys import KeyDigester
 from consumer_kit.replay import REPLAY_HEADER, Send, unseal
 from consumer_kit.settings import Settings
+from consumer_kit.tracing import SpanShape
 from sources.envelopes import ENVELOPES, EnvelopedSource, KeyFunction, is_s3_test_event, require_cloudevents, unwrap
 from sources.sqs.client import BATCH_MAX, MAX_VISIBILITY_SECONDS, BatchAction, SqsClient, error_code, explain, log
 from sources.sqs.held import MAX_ATTRIBUTES, HeldMessage, Slots, dead_letter_copy
@@ -31,7 +32,7 @@ from sources.sqs.queue import inspect_queue
 DEFAULT_RETRY_DELAYS = (1.0, 5.0, 30.0, 120.0)
 SETTLE_THREADS = 4  # pool threads besides the pollers': deletes, visibility changes, dead-letter copies
 SETTLE_TIMEOUT_SECONDS = 10.0  # how long close() waits for settlements already under way
-_SYSTEM_ATTRIBUTES = ["ApproximateReceiveCount", "SentTimestamp", "MessageGroupId"]
+_SYSTEM_ATTRIBUTES = ["ApproximateReceiveCount", "SentTimestamp", "MessageGroupId", "AWSTraceHeader"]
 REPLAY_BODY_ATTRIBUTE = "x-consumer-kit-replay-body"
 """``base64`` on a requeued parked delivery whose body is not UTF-8 text (an SQS body must be text)."""
 _NOT_ATTRIBUTES = ("sqs-message-id", "sqs-message-group-id", "x-consumer-kit-reason", "x-consumer-kit-key-digest",
@@ -107,6 +108,7 @@ class SQSSource(EnvelopedSource):
         self.endpoint_url = endpoint_url
         self.region = region
         self.settle_linger = settle_linger
+        self.span_shape = SpanShape("consumer", system="aws_sqs", destination=self.name.split(":", 1)[-1])
         self.fifo = False
         self._sqs: SqsClient | None = None
         self._dispatch: Dispatch | None = None

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import secrets
+
 import httpx
+import pytest
 from sqlalchemy import text
 from starlette.applications import Starlette
 from starlette.routing import Mount
 
 from consumer_kit import ConsumerApp, Context
 from consumer_kit.asgi import lifespan
-from consumer_kit.store import schema_revisions
+from consumer_kit.store import create_engine, schema_revisions, upgrade
 from consumer_kit.store.database import VERSION_TABLE
+from consumer_kit.testing import InMemorySource
 from sources.webhooks import GitHubVerifier, WebhookSource
-from tests.conftest import make_settings
+from tests.conftest import _admin, make_settings
 from tests.signing import github_headers
 
 
@@ -82,3 +86,49 @@ async def _not_running_ready(app: ConsumerApp) -> int:
     transport = httpx.ASGITransport(app=app.asgi())
     async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
         return (await client.get("/readyz")).status_code
+
+
+class Flaky(InMemorySource):
+    """A source that says it is not ready while ``broken`` is set, as a RabbitMQ source does while its
+    connection is being re-established."""
+
+    broken = False
+
+    def unready_reason(self) -> str | None:
+        return "broker_disconnected" if self.broken else None
+
+
+@pytest.mark.postgres
+async def test_readiness_follows_the_sources_and_the_database(pg_url: str) -> None:
+    # A database of its own, dropped under the running app: the database becomes unreachable.
+    name = f"ck_ready_{secrets.token_hex(4)}"
+    await _admin(f'CREATE DATABASE "{name}"')
+    url = pg_url.rsplit("/", 1)[0] + f"/{name}"
+    engine = create_engine(url)
+    try:
+        await upgrade(engine)
+    finally:
+        await engine.dispose()
+    app = ConsumerApp(make_settings(url, db_pool_size=1))
+    source = Flaky(namespace="flaky", version=1, name="flaky")
+    app.handler(source)(lambda ctx: None)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app.asgi()), base_url="http://t") as client:
+        async def ready() -> tuple[int, dict[str, object]]:
+            answer = await client.get("/readyz")
+            return answer.status_code, answer.json()
+
+        assert await ready() == (503, {"ready": False, "reason": "not_started"})
+        try:
+            async with app.running():
+                assert await ready() == (200, {"ready": True})
+                source.broken = True
+                assert await ready() == (503, {"ready": False, "reason": "source_not_ready", "source": "flaky",
+                                               "detail": "broker_disconnected"})
+                source.broken = False
+                await _admin(f'DROP DATABASE "{name}" WITH (FORCE)')
+                status, answer = await ready()
+                assert status == 503 and answer["reason"] == "database_unreachable"
+                assert (await client.get("/healthz")).status_code == 200  # alive: only not ready
+        finally:
+            await _admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        assert await ready() == (503, {"ready": False, "reason": "not_started"})  # stopped

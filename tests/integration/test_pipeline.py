@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Literal
 
 import pytest
+from prometheus_client import REGISTRY
 from sqlalchemy import Column, Integer, MetaData, String, Table, func, select
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
@@ -68,6 +69,11 @@ async def target(request: pytest.FixtureRequest, tmp_path: Path) -> Target:
     if request.param == "psycopg":
         return Target(url.replace("+asyncpg://", "+psycopg://"))
     return Target(url, "asyncpg" if request.param.endswith("ctx.connection") else "sqlalchemy")
+
+
+def takeovers() -> float:
+    """``consumer_kit_inbox_takeovers_total`` of the tests' source, as /metrics would show it."""
+    return REGISTRY.get_sample_value("consumer_kit_inbox_takeovers_total", {"source": "memory:ticket-queue"}) or 0.0
 
 
 def build(target: Target | Settings, *, single_transaction: bool = False,
@@ -163,6 +169,7 @@ async def test_takeover_after_crash_and_late_completion_rolls_back(target: Targe
 
     app1, source1, runs1 = build(target, before=freeze, inbox_lease_seconds=0.3, inbox_heartbeat_seconds=3600)
     app2, source2, runs2 = build(target)
+    before = takeovers()
     async with app1.running(), app2.running():
         await make_effects_table(app1)
         first = asyncio.create_task(source1.deliver(id="msg-0004", body=b'{"key": "T-4"}'))
@@ -170,6 +177,7 @@ async def test_takeover_after_crash_and_late_completion_rolls_back(target: Targe
         await asyncio.sleep(0.5)  # the lease runs out
         taken = await source2.deliver(id="msg-0004", body=b'{"key": "T-4"}')
         assert taken.outcome is Outcome.PROCESSED
+        assert takeovers() == before + 1  # a lease that ran out: counted
         release.set()
         late = await first
         assert (late.outcome, late.settlement) == (Outcome.LEASE_LOST, Settlement.RETRY_LATER)
@@ -211,6 +219,7 @@ async def test_retryable_failures_then_success(target: Target, single: bool) -> 
             raise ConnectionError("downstream unavailable")
 
     app, source, runs = build(target, single_transaction=single, extra=flaky, retry_attempts=2)
+    before = takeovers()
     async with app.running():
         await make_effects_table(app)
         first = await source.deliver(id="msg-0006", body=b'{"key": "T-6"}')
@@ -220,6 +229,7 @@ async def test_retryable_failures_then_success(target: Target, single: bool) -> 
         assert second.outcome is Outcome.PROCESSED
         assert len(runs) == 4
         assert await effect_count(app) == 1
+    assert takeovers() == before  # the failed delivery gave its lease back: its retry is no takeover
 
 
 @pytest.mark.parametrize("single", [False, True], ids=["two-txn", "one-txn"])

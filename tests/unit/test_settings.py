@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from consumer_kit import ConfigurationError, Settings
+from consumer_kit.settings import local_secret
 
 
 def test_defaults_are_the_seeds() -> None:
@@ -71,3 +72,15 @@ def test_sqs_settings_come_from_the_environment(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setenv("SQS_WAIT_TIME_SECONDS", "21")  # SQS's long poll is 20 s at most
     with pytest.raises(ValueError, match="sqs_wait_time_seconds"):
         Settings(_env_file=None)  # type: ignore[call-arg]
+
+
+def test_a_local_secret_is_written_once_beside_a_sqlite_file_and_refused_elsewhere(tmp_path: Path) -> None:
+    url = f"sqlite+aiosqlite:///{tmp_path}/app.db"
+    first = local_secret(url, "webhook-secret", variable="HOOK_SECRET")
+    assert first.created and first.path == tmp_path / "app.db.webhook-secret"
+    assert first.path.stat().st_mode & 0o777 == 0o600 and len(first.value) >= 32
+    again = local_secret(url, "webhook-secret", variable="HOOK_SECRET")
+    assert (again.value, again.created) == (first.value, False)  # the same secret from then on
+    for elsewhere in ("postgresql+asyncpg://db/app", "sqlite+aiosqlite:///:memory:"):
+        with pytest.raises(ConfigurationError, match=r"^HOOK_SECRET is not set: set it"):
+            local_secret(elsewhere, "webhook-secret", variable="HOOK_SECRET")
