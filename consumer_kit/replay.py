@@ -96,7 +96,7 @@ def unseal(value: str | bytes, body: bytes, digester: KeyDigester, *, attempt: i
 
 
 class _Unverified(ValueError):
-    pass
+    """The replay header did not verify; the message says which part."""
 
 
 def _canonical(fields: Mapping[str, Any]) -> str:

@@ -10,6 +10,7 @@ check; a signed order sent to the webhook receiver gets its session from the ser
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import json
@@ -306,11 +307,9 @@ def run_once(local: Local, name: str) -> None:
 def wait_healthy(process: subprocess.Popen[str], url: str, seconds: float = 90) -> None:
     deadline = time.monotonic() + seconds
     while True:
-        try:
+        with contextlib.suppress(httpx.TransportError):  # not listening yet
             if httpx.get(url, timeout=3).status_code == 200:
                 return
-        except httpx.TransportError:
-            pass
         if process.poll() is not None or time.monotonic() > deadline:
             process.kill()
             pytest.fail(f"{url} never answered 200:\n{process.communicate()[0][-3000:]}")

@@ -11,7 +11,8 @@ import pytest
 from prometheus_client import REGISTRY
 
 from consumer_kit import ConsumerApp, Context, Outcome, Result
-from consumer_kit.delivery import Delivery
+from consumer_kit.delivery import Delivery, Dispatch
+from consumer_kit.settings import Settings
 from sources.sqs import REASON_ATTRIBUTE, SQSSource
 from tests.integration.rabbit import wait_until
 from tests.integration.sqs_env import Moto
@@ -19,12 +20,28 @@ from tests.integration.sqs_env import Moto
 pytestmark = pytest.mark.sqs
 
 
+class _RecordingSource(SQSSource):
+    """An SQSSource that keeps every pipeline result, through the public ``start(dispatch, settings)``."""
+
+    def __init__(self, recorder: Recorder, **options: Any) -> None:
+        super().__init__(**options)
+        self.recorder = recorder
+
+    async def start(self, dispatch: Dispatch, settings: Settings) -> None:
+        async def recording(delivery: Delivery) -> Result:
+            result = await dispatch(delivery)
+            self.recorder.results.append(result)
+            return result
+
+        await super().start(recording, settings)
+
+
 class Recorder:
     """A worker on one queue that records what its handler saw and every pipeline result."""
 
     def __init__(self, moto: Moto, database_url: str, url: str, dlq: str, envelope: str, **options: Any) -> None:
         self.app = ConsumerApp(moto.settings(database_url, retry_attempts=1, retry_later_seconds=0))
-        self.source = SQSSource(queue_url=url, namespace="orders", version=1, envelope=envelope,
+        self.source = _RecordingSource(self, queue_url=url, namespace="orders", version=1, envelope=envelope,
                                 dead_letter_queue_url=dlq, retry_delays=(0.2,), **options)
         self.seen: list[tuple[str, bytes, dict[str, str]]] = []
         self.results: list[Result] = []
@@ -39,15 +56,6 @@ class Recorder:
 
     async def __aenter__(self) -> Recorder:
         await self.app.start()
-        dispatch = self.source._dispatch
-        assert dispatch is not None
-
-        async def recording(delivery: Delivery) -> Result:
-            result = await dispatch(delivery)
-            self.results.append(result)
-            return result
-
-        self.source._dispatch = recording
         return self
 
     async def __aexit__(self, *exc: object) -> None:
