@@ -27,17 +27,11 @@ the run and removed afterwards.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 import os
-import re
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -46,6 +40,7 @@ import boto3
 
 from bench.common import queue_database, verdict
 from consumer_kit import ConsumerApp, Context, Delivery, Outcome, Result, Settings, Settlement
+from consumer_kit.testing.moto import moto_server
 from sources.sqs import SQSSource
 
 MESSAGES = int(os.environ.get("CK_BENCH_SQS_MESSAGES", "500"))
@@ -55,26 +50,6 @@ IN_FLIGHT = 32
 DB_CONNECTIONS = 10
 REGION = "us-east-1"
 TARGET = 0.9
-
-
-@contextlib.contextmanager
-def moto_server() -> Iterator[str]:
-    """moto's server on a free loopback port, in a process of its own; yields its URL."""
-    os.environ.setdefault("AWS_ACCESS_KEY_ID", "bench")
-    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "bench")
-    with tempfile.NamedTemporaryFile(prefix="ck-bench-moto-", suffix=".log") as log:
-        server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", "0"],
-                                  stdout=log, stderr=subprocess.STDOUT)
-        try:
-            deadline = time.monotonic() + 60
-            while not (found := re.search(rb"Running on http://127\.0\.0\.1:(\d+)", open(log.name, "rb").read())):
-                if server.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("moto server did not start")
-                time.sleep(0.1)
-            yield f"http://127.0.0.1:{int(found.group(1))}"
-        finally:
-            server.terminate()
-            server.wait(10)
 
 
 def _fill(client: Any, label: str, count: int) -> tuple[str, str]:

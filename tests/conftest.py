@@ -8,9 +8,6 @@ import logging
 import os
 import re
 import secrets
-import subprocess
-import sys
-import time
 from collections.abc import AsyncIterator, Coroutine, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -27,6 +24,7 @@ from sqlalchemy import text
 from consumer_kit import Settings
 from consumer_kit.keys import OperationKey
 from consumer_kit.store import create_engine, metadata, upgrade
+from consumer_kit.testing.moto import moto_server
 
 PG_ADMIN_URL = os.environ.get("CK_TEST_PG_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
 TEST_HMAC_KEY = "test-hmac-key-0123456789abcdef"
@@ -273,39 +271,16 @@ def settings(database_url: str) -> Settings:
 
 
 @pytest.fixture(scope="session")
-def moto_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A moto server on a free loopback port for this run; yields its URL, with boto3 credentials set.
-
-    A subprocess rather than moto's in-process ``ThreadedMotoServer``: moto does most of the work in the
-    SQS tests (it scans the queue on every receive), and in this process it would contend for the GIL
-    with the event loop and the source's boto3 threads; as a process it runs on the other core.
-    """
-    log_path = tmp_path_factory.mktemp("moto") / "moto.log"
-    with log_path.open("wb") as log_file:
-        server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", "0"],
-                                  stdout=log_file, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 60
-    port = None
-    while port is None:
-        found = re.search(r"Running on http://127\.0\.0\.1:(\d+)", log_path.read_text(errors="replace"))
-        if found:
-            port = int(found.group(1))
-        elif server.poll() is not None or time.monotonic() > deadline:
-            server.kill()
-            raise RuntimeError(f"moto server did not start: {log_path.read_text(errors='replace')[-2000:]}")
-        else:
-            time.sleep(0.1)
+def moto_endpoint() -> Iterator[str]:
+    """A moto server on a free loopback port for this run (:func:`consumer_kit.testing.moto.moto_server`:
+    a process of its own, with moto's lost-message race fixed); yields its URL, with boto3's
+    credentials set to moto's dummies."""
     patch = pytest.MonkeyPatch()
-    # boto3 reads credentials through its usual chain; these are moto's dummies.
     patch.setenv("AWS_ACCESS_KEY_ID", "testing")
     patch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
     patch.delenv("AWS_PROFILE", raising=False)
     try:
-        yield f"http://127.0.0.1:{port}"
+        with moto_server() as endpoint:
+            yield endpoint
     finally:
         patch.undo()
-        server.terminate()
-        try:
-            server.wait(10)
-        except subprocess.TimeoutExpired:
-            server.kill()

@@ -43,7 +43,9 @@ class SqsEntryFailed(Exception):
 
 
 def error_code(exc: BaseException) -> str:
-    """SQS's error code for a ``ClientError``, else the exception's type name."""
+    """SQS's error code for a ``ClientError`` or a failed batch entry, else the exception's type name."""
+    if isinstance(exc, SqsEntryFailed):
+        return exc.code
     if isinstance(exc, botocore.exceptions.ClientError):
         return str(exc.response.get("Error", {}).get("Code") or type(exc).__name__)
     return type(exc).__name__
