@@ -53,6 +53,7 @@ from consumer_kit.pipeline.work import (
     usable,
 )
 from consumer_kit.store.executor import Executor
+from consumer_kit.store.inbox import claimable, verdict
 from consumer_kit.store.receipts import Creation
 
 
@@ -86,23 +87,32 @@ class LeasedPath:
             heartbeat.cancel()
 
     async def _run(self, work: Work) -> Result:
+        spec, inbox = work.spec, self.stores.inbox
+        read_first = self._duplicates.read_first(spec.consumer)
+        if read_first and inbox.shares_reads:  # a duplicate then takes no connection of its own
+            with span(work, "claim"):
+                existing = await inbox.look(spec.consumer, work.digests)
+            if existing is not None and not claimable(existing, work.fingerprint, inbox.clock()):
+                self._duplicates.count(spec.consumer, taken=True)
+                return await self.fate.not_acquired(work, verdict(existing, work.fingerprint), None)
+            read_first = existing is not None  # a lease to take over: the claim reads it as it was
         # One connection from the claim to the commit; one that serves ctx.db when the handler may
         # use it (SQLAlchemy's, on asyncpg), else the store pool's.
-        async with self.stores.database.connect(session=work.spec.uses_db) as ex:
+        async with self.stores.database.connect(session=spec.uses_db) as ex:
             work.connection = ex
-            settled = await self._claim(ex, work)
+            settled = await self._claim(ex, work, read_first)
             if settled is not None:
                 return settled
             return await self._handle(ex, work)
 
-    async def _claim(self, ex: Executor, work: Work) -> Result | None:
+    async def _claim(self, ex: Executor, work: Work, read_first: bool) -> Result | None:
         """Claim the key and open the session; the settlement when the delivery ends here."""
         spec, stores = work.spec, self.stores
         creation, invalid = self._prepare_session(work)
         with span(work, "claim"):
             claim = await stores.inbox.claim(ex, spec.consumer, work.digests, work.fingerprint,
                                              namespace=work.key.namespace, version=work.key.version,
-                                             creation=creation, read_first=self._duplicates.read_first(spec.consumer))
+                                             creation=creation, read_first=read_first)
         self._duplicates.count(spec.consumer, taken=not claim.acquired)
         if not claim.acquired:
             return await self.fate.not_acquired(work, claim, ex)

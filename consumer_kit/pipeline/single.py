@@ -10,8 +10,9 @@ Only for handlers whose every effect is in the database: a handler that calls ou
 call after a rollback. No lease is taken: a concurrent delivery of the same key waits on the row and
 then finds it completed.
 
-The plain read first is what a duplicate should cost: one read, and the connection given back at
-once. For a new key it is one round trip more than the transaction needs (its insert finds a
+The plain read first is what a duplicate should cost: one read, and on PostgreSQL not even a
+connection of its own (reads of deliveries under way at once are shared: :meth:`Inbox.look`). For a
+new key it is one round trip more than the transaction needs (its insert finds a
 duplicate too, at the price of a transaction begun and rolled back). So on PostgreSQL each handler
 keeps a running estimate of how many of its deliveries are duplicates, and reads first only while
 that is above :data:`READ_FIRST_ABOVE` (expected round trips: ``1 + 4(1 - d)`` reading first, ``4``
@@ -53,14 +54,22 @@ class SinglePath:
 
     async def run(self, work: Work) -> Result:
         """Look (while duplicates are common), then claim and run in one transaction; settle."""
-        stores, spec = self.stores, work.spec
+        stores, spec, inbox = self.stores, work.spec, self.stores.inbox
+        read_first = self._duplicates.read_first(spec.consumer)
+        if read_first and inbox.shares_reads:  # a duplicate then takes no connection of its own
+            with span(work, "claim"):
+                existing = await inbox.look(spec.consumer, work.digests)
+            if existing is not None and not claimable(existing, work.fingerprint, inbox.clock()):
+                self._duplicates.count(spec.consumer, taken=True)
+                return await self.fate.not_acquired(work, verdict(existing, work.fingerprint), None)
+            read_first = False
         # One connection: one that serves ctx.db when the handler may use it (SQLAlchemy's, on
         # asyncpg), else the store pool's.
         async with stores.database.connect(session=spec.uses_db) as ex:
-            if self._duplicates.read_first(spec.consumer):
+            if read_first:
                 with span(work, "claim"):
-                    existing = await stores.inbox.lookup(ex, spec.consumer, work.digests)
-                if existing is not None and not claimable(existing, work.fingerprint, stores.inbox.clock()):
+                    existing = await inbox.lookup(ex, spec.consumer, work.digests)
+                if existing is not None and not claimable(existing, work.fingerprint, inbox.clock()):
                     self._duplicates.count(spec.consumer, taken=True)
                     return await self.fate.not_acquired(work, verdict(existing, work.fingerprint), ex)
             result = await self._handle(ex, work)

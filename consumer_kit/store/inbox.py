@@ -12,6 +12,7 @@ share a database must agree to within a small fraction of a lease (NTP does that
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import secrets
 from collections.abc import Callable, Mapping, Sequence
@@ -77,6 +78,49 @@ class BatchKey:
 _STATE_STATUS = {"completed": ClaimStatus.COMPLETED, "dead": ClaimStatus.DEAD}
 
 
+class _SharedReads:
+    """Look-ups of inbox rows, read together: the first starts a read at once, and those that arrive
+    while it runs wait for the next, which reads them all in one statement (per consumer). A waiting
+    caller that is cancelled gives up only its own answer; the read goes on in its own task."""
+
+    def __init__(self, database: Database) -> None:
+        self.database = database
+        self._waiting: dict[str, list[tuple[Sequence[str], asyncio.Future[Row | None]]]] = {}
+        self._readers: dict[str, asyncio.Task[None]] = {}
+
+    async def look(self, consumer: str, digests: Sequence[str]) -> Row | None:
+        future: asyncio.Future[Row | None] = asyncio.get_running_loop().create_future()
+        self._waiting.setdefault(consumer, []).append((digests, future))
+        if consumer not in self._readers:
+            self._readers[consumer] = asyncio.ensure_future(self._read(consumer))
+        return await future
+
+    async def _read(self, consumer: str) -> None:
+        batch: list[tuple[Sequence[str], asyncio.Future[Row | None]]] = []
+        try:
+            while batch := self._waiting.pop(consumer, []):
+                wanted = list(dict.fromkeys(d for digests, _ in batch for d in digests))
+                try:
+                    async with self.database.connect() as ex:
+                        rows = await ex.fetch_all(sql.LOOKUP_MANY, {"consumer": consumer, "key_digests": wanted})
+                except Exception as exc:  # each caller decides what a failed read means for it
+                    for _, future in batch:
+                        if not future.done():
+                            future.set_exception(exc)
+                    continue
+                found = {row["key_digest"]: row for row in rows}
+                for digests, future in batch:
+                    if not future.done():
+                        future.set_result(next((found[d] for d in digests if d in found), None))
+        except BaseException as exc:  # cancelled (the loop is closing): nobody waits in vain
+            for _, future in (*batch, *self._waiting.pop(consumer, [])):
+                if not future.done():
+                    future.set_exception(exc if isinstance(exc, Exception) else asyncio.CancelledError())
+            raise
+        finally:
+            del self._readers[consumer]
+
+
 class Inbox:
     """Claim, renew, complete, release, park and sweep inbox rows."""
 
@@ -91,6 +135,13 @@ class Inbox:
         self.tombstones = tombstone_seconds > 0
         self.clock = clock
         self._pg = database.dialect == "postgresql"
+        self._reads = _SharedReads(database)
+
+    @property
+    def shares_reads(self) -> bool:
+        """Whether :meth:`look` reads on a connection of its own (PostgreSQL), so that a caller can
+        look before it takes one."""
+        return self._pg
 
     async def lookup(self, ex: Executor, consumer: str, digests: Sequence[str]) -> Row | None:
         """The row stored under any of ``digests`` (current HMAC key first), without a lock."""
@@ -99,6 +150,13 @@ class Inbox:
             if row is not None:
                 return row
         return None
+
+    async def look(self, consumer: str, digests: Sequence[str]) -> Row | None:
+        """:meth:`lookup` without a connection of the caller's (PostgreSQL only: see ``shares_reads``):
+        the look-ups of many deliveries under way at once are read together, in one statement on one
+        store connection, so that a duplicate costs a share of one read and holds no connection."""
+        assert self._pg, "shared reads are for PostgreSQL"
+        return await self._reads.look(consumer, digests)
 
     async def claim(self, ex: Executor, consumer: str, digests: Sequence[str], fingerprint: str, *,
                     namespace: str, version: int, creation: Creation | None = None,

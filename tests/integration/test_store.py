@@ -336,3 +336,69 @@ async def test_hot_statements_find_their_row_by_the_whole_key(pg_database: str, 
         await engine.dispose()
     # With key_digest IN ($2, $3) the plan's index condition was the consumer alone, key_digest a filter.
     assert any("Index Cond" in line and "key_digest" in line for line in plan.splitlines()), plan
+
+
+@pytest.fixture(params=["asyncpg", "psycopg"])
+async def pg_store(request: pytest.FixtureRequest, pg_database: str) -> AsyncIterator[Database]:
+    """The store's database on PostgreSQL through each executor (shared reads are PostgreSQL's)."""
+    engine = create_engine(pg_database if request.param == "asyncpg" else
+                           pg_database.replace("+asyncpg://", "+psycopg://"))
+    await ensure_schema(engine)
+    try:
+        yield Database(engine)
+    finally:
+        await engine.dispose()
+
+
+async def test_lookups_under_way_at_once_are_read_together(pg_store: Database) -> None:
+    store = Inbox(pg_store, lease_seconds=30, retention_seconds=3600)
+    assert store.shares_reads
+    done = [await claim(pg_store, store, f"k{i:03d}") for i in range(40)]
+    for found in done[:20]:
+        assert await complete(pg_store, store, found)
+    digests = [found.digest for found in done]
+    statements = 0
+    counting = pg_store.connect
+
+    def connect(**kw: object) -> object:
+        nonlocal statements
+        statements += 1
+        return counting(**kw)  # type: ignore[arg-type]
+
+    pg_store.connect = connect  # type: ignore[method-assign]
+    # 60 deliveries at once: 40 keys (20 done, 20 started), 10 unknown, and 10 whose row was written
+    # under the previous HMAC key (their second candidate digest).
+    asks = [[d] for d in digests] + [[f"u{i:03d}".ljust(64, "0")] for i in range(10)] + \
+           [[f"n{i:03d}".ljust(64, "0"), digests[i]] for i in range(10)]
+    rows = await asyncio.gather(*(store.look("c", ask) for ask in asks))
+    assert statements < len(asks) / 5  # read together: the first alone, then the rest at once
+    assert [r["state"] for r in rows[:20]] == ["completed"] * 20
+    assert [r["state"] for r in rows[20:40]] == ["started"] * 20
+    assert rows[40:50] == [None] * 10
+    assert [r["key_digest"] for r in rows[50:]] == digests[:10]
+
+
+async def test_a_cancelled_lookup_leaves_the_others_their_answers(pg_store: Database) -> None:
+    store = Inbox(pg_store, lease_seconds=30, retention_seconds=3600)
+    found = await claim(pg_store, store, "k")
+    looks = [asyncio.ensure_future(store.look("c", [found.digest])) for _ in range(5)]
+    await asyncio.sleep(0)
+    looks[2].cancel()
+    answers = await asyncio.gather(*looks, return_exceptions=True)
+    assert isinstance(answers[2], asyncio.CancelledError)
+    assert all(a["key_digest"] == found.digest for i, a in enumerate(answers) if i != 2)  # type: ignore[index]
+    assert (await store.look("c", [found.digest]))["key_digest"] == found.digest  # type: ignore[index]
+
+
+async def test_a_failed_shared_read_fails_its_callers_and_the_next_read_works(pg_store: Database) -> None:
+    store = Inbox(pg_store, lease_seconds=30, retention_seconds=3600)
+    found = await claim(pg_store, store, "k")
+    async with pg_store.engine.begin() as conn:
+        await conn.execute(text("ALTER TABLE inbox RENAME TO inbox_away"))
+    try:
+        answers = await asyncio.gather(*(store.look("c", [found.digest]) for _ in range(3)), return_exceptions=True)
+        assert all(isinstance(a, Exception) for a in answers)
+    finally:
+        async with pg_store.engine.begin() as conn:
+            await conn.execute(text("ALTER TABLE inbox_away RENAME TO inbox"))
+    assert (await store.look("c", [found.digest]))["key_digest"] == found.digest  # type: ignore[index]
