@@ -426,7 +426,8 @@ class _Settlements:
         sender = self._senders.get(channel)
         if sender is None or sender.done():
             self._senders[channel] = asyncio.ensure_future(self._send(channel))
-        await asyncio.shield(settlement.future)  # a cancelled caller does not unsend it
+        # A cancelled caller cancels only its future: the settlement stays asked for and is sent.
+        await settlement.future
 
     async def _send(self, channel: object) -> None:
         unsettled = self._unsettled.get(channel, {})
