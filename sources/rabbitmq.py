@@ -522,6 +522,8 @@ def to_delivery(message: AbstractIncomingMessage, replays: KeyDigester | None = 
 
 
 def _int(value: Any, default: int) -> int:
+    if value is None:  # the usual case (no such header), and cheaper than a caught TypeError
+        return default
     try:
         return int(value)
     except (TypeError, ValueError):
