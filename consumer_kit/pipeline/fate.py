@@ -24,10 +24,11 @@ from typing import TypeVar
 from consumer_kit import metrics
 from consumer_kit.delivery import Delivery, Outcome, Result, Settlement
 from consumer_kit.errors import LeaseLost, RetryableError, SchemaMissing, TerminalError
-from consumer_kit.pipeline.work import HandlerSpec, Stores, Work, describe, log, usable
+from consumer_kit.pipeline.work import DuplicateShare, HandlerSpec, Stores, Work, describe, log, span, usable
 from consumer_kit.store import Claim, ClaimStatus
 from consumer_kit.store.diagnosis import missing_schema
 from consumer_kit.store.executor import Executor
+from consumer_kit.store.inbox import claimable, verdict
 
 T = TypeVar("T")
 
@@ -103,6 +104,18 @@ class Fate:
         delay = exc.delay if isinstance(exc, RetryableError) and exc.delay is not None else None
         return Result(Outcome.RETRY, Settlement.RETRY_LATER, "handler_failed",
                       delay=self.settings.retry_later_seconds if delay is None else delay, key_digest=work.digest)
+
+    async def looked_up(self, work: Work, duplicates: DuplicateShare) -> tuple[Result | None, bool]:
+        """Look the delivery's key up before it takes a connection (PostgreSQL's shared reads: see
+        ``Inbox.look``): its settlement when the key is taken (done, parked, held, another request),
+        else ``None`` and whether a row was found (a lease to take over, which the claim reads again)."""
+        inbox, consumer = self.stores.inbox, work.spec.consumer
+        with span(work, "claim"):
+            existing = await inbox.look(consumer, work.digests)
+        if existing is None or claimable(existing, work.fingerprint, inbox.clock()):
+            return None, existing is not None
+        duplicates.count(consumer, taken=True)
+        return await self.not_acquired(work, verdict(existing, work.fingerprint), None), True
 
     async def not_acquired(self, work: Work, claim: Claim, ex: Executor | None) -> Result:
         """The settlement of a delivery whose claim found the key taken (a conflict is parked on ``ex``)."""

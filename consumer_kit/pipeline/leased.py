@@ -53,7 +53,6 @@ from consumer_kit.pipeline.work import (
     usable,
 )
 from consumer_kit.store.executor import Executor
-from consumer_kit.store.inbox import claimable, verdict
 from consumer_kit.store.receipts import Creation
 
 
@@ -90,12 +89,9 @@ class LeasedPath:
         spec, inbox = work.spec, self.stores.inbox
         read_first = self._duplicates.read_first(spec.consumer)
         if read_first and inbox.shares_reads:  # a duplicate then takes no connection of its own
-            with span(work, "claim"):
-                existing = await inbox.look(spec.consumer, work.digests)
-            if existing is not None and not claimable(existing, work.fingerprint, inbox.clock()):
-                self._duplicates.count(spec.consumer, taken=True)
-                return await self.fate.not_acquired(work, verdict(existing, work.fingerprint), None)
-            read_first = existing is not None  # a lease to take over: the claim reads it as it was
+            settled, read_first = await self.fate.looked_up(work, self._duplicates)
+            if settled is not None:
+                return settled
         # One connection from the claim to the commit; one that serves ctx.db when the handler may
         # use it (SQLAlchemy's, on asyncpg), else the store pool's.
         async with self.stores.database.connect(session=spec.uses_db) as ex:

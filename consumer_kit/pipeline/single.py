@@ -57,11 +57,9 @@ class SinglePath:
         stores, spec, inbox = self.stores, work.spec, self.stores.inbox
         read_first = self._duplicates.read_first(spec.consumer)
         if read_first and inbox.shares_reads:  # a duplicate then takes no connection of its own
-            with span(work, "claim"):
-                existing = await inbox.look(spec.consumer, work.digests)
-            if existing is not None and not claimable(existing, work.fingerprint, inbox.clock()):
-                self._duplicates.count(spec.consumer, taken=True)
-                return await self.fate.not_acquired(work, verdict(existing, work.fingerprint), None)
+            settled, _ = await self.fate.looked_up(work, self._duplicates)
+            if settled is not None:
+                return settled
             read_first = False
         # One connection: one that serves ctx.db when the handler may use it (SQLAlchemy's, on
         # asyncpg), else the store pool's.
