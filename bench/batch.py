@@ -224,7 +224,7 @@ async def main() -> bool:
     print(f"batch end to end through RabbitMQ on PostgreSQL: {MESSAGES} messages, batches of {BATCH} "
           f"(waiting at most {WAIT * 1000:.0f} ms), {ROUNDS} rounds (ratios: medians of per-round ratios)")
     for label, rates in results.items():
-        print(f"  {label:<24} {statistics.median(rates):9.0f} msg/s  (rounds: {', '.join(f'{r:.0f}' for r in rates)})")
+        print(f"  {label:<32} {statistics.median(rates):9.0f} msg/s  (rounds: {', '.join(f'{r:.0f}' for r in rates)})")
     per_message = ratio("consumer-kit batched", "per-message peer")
     batched = ratio("consumer-kit batched", "batched peer")
     print(f"  consumer-kit batched: {per_message:5.2f}x the per-message peer (target >= 2x: "
@@ -233,7 +233,7 @@ async def main() -> bool:
           "batched peer writing a statement a message, as a per-delivery handler does (no target)")
     print(f"inbox at scale ({datetime.now(UTC):%Y-%m-%d}): p50 / p99 in ms, 2000 operations each")
     for label, (p50, p99) in scale.items():
-        print(f"  {label:<24} {p50:7.3f} / {p99:7.3f}")
+        print(f"  {label:<32} {p50:7.3f} / {p99:7.3f}")
     flat = all(scale[f"{op} at {SCALE_ROWS}"][1] <= 1.5 * scale[f"{op} at 10000"][1] for op in ("claim", "duplicate"))
     print(f"  p99 at {SCALE_ROWS} within 1.5x of p99 at 10000: {'ok' if flat else 'NOT FLAT'}")
     return per_message >= 2.0 and batched >= 0.8 and flat
