@@ -86,3 +86,50 @@ async def test_acks_rejects_and_nacks_under_write_pressure_arrive_as_meant() -> 
         for name in (queue, dead):
             await cleanup.queue_delete(name)
         await connection.close()
+
+
+async def test_a_settlement_whose_caller_is_cancelled_still_goes_out() -> None:
+    # A delivery's task can be cancelled while it waits for its ack to be sent (its channel closing,
+    # the shutdown's grace running out): the settlement was asked for and must still reach the broker,
+    # in its order, or a message meant to be dead-lettered would come back and one acked run again.
+    queue, dead = f"settle-{uuid.uuid4().hex[:8]}", f"settle-{uuid.uuid4().hex[:8]}.dead"
+    connection = await aio_pika.connect(AMQP_URL)
+    try:
+        setup = await connection.channel()
+        await setup.declare_queue(dead, durable=False, auto_delete=False)
+        await setup.declare_queue(queue, durable=False, arguments={
+            "x-dead-letter-exchange": "", "x-dead-letter-routing-key": dead})
+        await publish(queue, [(f"m-{i}", b"x") for i in range(200)])
+        channel = await connection.channel()
+        await channel.set_qos(prefetch_count=200)
+        received: list[aio_pika.abc.AbstractIncomingMessage] = []
+        all_in = asyncio.Event()
+
+        async def on_message(message: aio_pika.abc.AbstractIncomingMessage) -> None:
+            received.append(message)
+            if len(received) == 200:
+                all_in.set()
+
+        await (await channel.get_queue(queue)).consume(on_message)
+        await asyncio.wait_for(all_in.wait(), 30)
+        settlements = _Settlements()
+        for message in received:
+            settlements.received(message)
+        # Every message settled by a task cancelled as soon as it has asked: odd ones rejected.
+        tasks = [asyncio.ensure_future(settlements.reject(m, requeue=False) if i % 2 else settlements.ack(m))
+                 for i, m in enumerate(received)]
+        await asyncio.sleep(0)  # each task has asked (its settlement is queued) and waits for the send
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        assert all(task.cancelled() for task in tasks), "the callers were not waiting when cancelled"
+        await asyncio.sleep(0.5)  # the sender goes on without them
+        assert not channel.is_closed
+        await channel.close()  # anything unsettled would go back to the queue
+        check = await connection.channel()
+        assert (await check.declare_queue(queue, passive=True)).declaration_result.message_count == 0
+        assert (await check.declare_queue(dead, passive=True)).declaration_result.message_count == 100
+        await check.queue_delete(queue)
+        await check.queue_delete(dead)
+    finally:
+        await connection.close()
