@@ -138,6 +138,26 @@ async def test_arrivals_gather_while_the_allowed_batches_run(database_url: str) 
     assert batch_count() - batches <= 160 / 16 + 1  # the first alone at most, then full ones
 
 
+async def test_callers_cancelled_while_their_batch_runs_leave_it_to_commit(database_url: str) -> None:
+    """A delivery's caller cancelled mid-batch (its channel closed) gives up only its answer: the batch
+    commits every effect once, and the redelivery of each is a duplicate."""
+    app, source, runs = build(database_url)
+    tickets = [f"good-{i}" for i in range(16)]
+    async with app.running():
+        await prepare(app)
+        callers = [asyncio.ensure_future(source.deliver(id=f"m-{t}", body=t)) for t in tickets]
+        while len(runs) < 4:  # the batch is under way: some handlers ran, the rest wait their turn
+            await asyncio.sleep(0.001)
+        for caller in callers:
+            caller.cancel()
+        await asyncio.gather(*callers, return_exceptions=True)
+        assert all(caller.cancelled() for caller in callers)
+        again = await asyncio.gather(*(source.deliver(id=f"m-{t}", body=t) for t in tickets))
+        assert [r.outcome for r in again] == [Outcome.DUPLICATE] * len(tickets)
+        assert await effects(app) == {t: 1 for t in tickets}
+    assert sorted(runs) == sorted(tickets)
+
+
 def test_a_batch_needs_a_single_transaction_handler() -> None:
     app = ConsumerApp(make_settings("sqlite+aiosqlite:///:memory:"))
     with pytest.raises(ConfigurationError, match="single_transaction"):
