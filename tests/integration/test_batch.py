@@ -141,17 +141,29 @@ async def test_arrivals_gather_while_the_allowed_batches_run(database_url: str) 
 async def test_callers_cancelled_while_their_batch_runs_leave_it_to_commit(database_url: str) -> None:
     """A delivery's caller cancelled mid-batch (its channel closed) gives up only its answer: the batch
     commits every effect once, and the redelivery of each is a duplicate."""
-    app, source, runs = build(database_url)
+    app = ConsumerApp(make_settings(database_url))
+    source = InMemorySource(namespace="cancelled", version=1)
+    runs: list[str] = []
+    under_way, go_on = asyncio.Event(), asyncio.Event()
+
+    @app.handler(source, name="cancelled", single_transaction=True, batch=Batch(max_size=16, max_wait_ms=20))
+    async def handle(ctx: Context) -> None:
+        runs.append(ctx.delivery.text())
+        await ctx.db.execute(text("INSERT INTO batch_effects (ticket) VALUES (:t)"), {"t": ctx.delivery.text()})
+        if len(runs) == 4:  # mid-batch: four handlers ran, twelve wait their turn
+            under_way.set()
+            await go_on.wait()
+
     tickets = [f"good-{i}" for i in range(16)]
     async with app.running():
         await prepare(app)
         callers = [asyncio.ensure_future(source.deliver(id=f"m-{t}", body=t)) for t in tickets]
-        while len(runs) < 4:  # the batch is under way: some handlers ran, the rest wait their turn
-            await asyncio.sleep(0.001)
+        await asyncio.wait_for(under_way.wait(), 10)
         for caller in callers:
             caller.cancel()
         await asyncio.gather(*callers, return_exceptions=True)
         assert all(caller.cancelled() for caller in callers)
+        go_on.set()
         again = await asyncio.gather(*(source.deliver(id=f"m-{t}", body=t) for t in tickets))
         assert [r.outcome for r in again] == [Outcome.DUPLICATE] * len(tickets)
         assert await effects(app) == {t: 1 for t in tickets}
