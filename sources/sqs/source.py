@@ -44,6 +44,10 @@ RECEIVED_WHILE_HELD = Counter(
     "consumer_kit_sqs_received_while_held_total",
     "Messages SQS delivered again while the source still held them (a lapsed visibility timeout, or SQS's "
     "at-least-once delivery); run once, settled with the newest receipt handle.", ["source"])
+SETTLEMENTS = Counter(
+    "consumer_kit_sqs_settlements_total",
+    "Settlements of received messages that SQS confirmed: delete (done, duplicate or parked), visibility "
+    "(back to the queue later: retry, or left for the redrive policy), dead_letter_copy.", ["source", "action"])
 RECEIVE_FAILURES = Counter("consumer_kit_sqs_receive_failures_total",
                            "ReceiveMessage calls that failed (the source backs off and goes on).", ["source"])
 
@@ -424,19 +428,20 @@ class SQSSource(EnvelopedSource):
 
     async def _delete(self, message: HeldMessage) -> None:
         assert self._deletes is not None
-        await self._settled(message, self._deletes, message.deletion)
+        await self._settled(message, self._deletes, message.deletion, "delete")
 
     async def _change_visibility(self, message: HeldMessage, seconds: float) -> None:
         assert self._visibility is not None
-        await self._settled(message, self._visibility, message.visibility(seconds))
+        await self._settled(message, self._visibility, message.visibility(seconds), "visibility")
 
-    async def _settled(self, message: HeldMessage, action: BatchAction,
-                       entry: Callable[[], dict[str, Any]]) -> None:
+    async def _settled(self, message: HeldMessage, action: BatchAction, entry: Callable[[], dict[str, Any]],
+                       label: str) -> None:
         done = action.put(entry)
         self._free_slot(message)
         if not self._unsettled:
             action.flush()  # nothing else is about to settle: no point waiting for company
         await done
+        SETTLEMENTS.labels(self.name, label).inc()
 
     def _release(self, message: HeldMessage) -> None:
         """Back to the queue at once (visibility 0), not processed; nobody waits for the answer."""
@@ -450,6 +455,7 @@ class SQSSource(EnvelopedSource):
         await self._sqs.call("send_message", **dead_letter_copy(
             message, result, queue_url=self._url, dead_letter_queue_url=self.dead_letter_queue_url, fifo=self.fifo,
             source=self.name))
+        SETTLEMENTS.labels(self.name, "dead_letter_copy").inc()
 
     def _settling(self, message: HeldMessage) -> None:
         """Decided: the heartbeat leaves it alone, and it no longer counts as about to settle."""

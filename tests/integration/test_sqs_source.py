@@ -55,7 +55,7 @@ async def test_deletes_after_the_commit_and_parks_what_cannot_be_keyed(moto: Mot
             raise TerminalError("cannot ship to the moon", reason="bad_address")
         seen.append(ctx.delivery.text())
 
-    app, _ = worker(moto.settings(sqlite_url), url, handle, key="order-id", dead_letter_queue_url=dlq)
+    app, source = worker(moto.settings(sqlite_url), url, handle, key="order-id", dead_letter_queue_url=dlq)
     async with app.running():
         await moto.send(url, [{"MessageBody": f"o-{i}", "MessageAttributes": {"order-id": attribute(f"O-{i}")}}
                               for i in range(30)])
@@ -63,14 +63,22 @@ async def test_deletes_after_the_commit_and_parks_what_cannot_be_keyed(moto: Mot
                               {"MessageBody": "poison", "MessageAttributes": {"order-id": attribute("O-poison"),
                                                                               "trace": attribute("t-1")}}])
 
-        async def done() -> bool:
-            return len(seen) == 30 and await moto.depth(url) == 0 and await moto.depth(dlq) == 3
+        def settled(action: str) -> float:
+            return REGISTRY.get_sample_value("consumer_kit_sqs_settlements_total",
+                                             {"source": source.name, "action": action}) or 0.0
+
+        async def done() -> bool:  # (the deletes counted as their answers reach the source)
+            return (len(seen) == 30 and settled("delete") >= 33 and await moto.depth(url) == 0
+                    and await moto.depth(dlq) == 3)
 
         await wait_until(done, 30, "30 effects and 3 dead letters")
+        copies_sent, sent_back = settled("dead_letter_copy"), settled("visibility")
         parked = {letter.reason: letter for letter in await app.dead_letters.list()}
         letters = await app.dead_letters.list(reason="missing_stable_id")
         digest = short(app.pipeline.digester.digest("orders:v1:O-poison"))
     assert sorted(seen) == sorted(f"o-{i}" for i in range(30))
+    # Every message deleted (the parked ones after their copy: waited for above), none sent back.
+    assert copies_sent == 3 and sent_back == 0
     assert sorted(letter.body for letter in letters) == [b"no key 1", b"no key 2"]
     copies = {m["Body"]: m for m in await moto.drain(dlq)}
     assert set(copies) == {"no key 1", "no key 2", "poison"}
