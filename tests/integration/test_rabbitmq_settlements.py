@@ -11,8 +11,11 @@ that what was meant to be dead-lettered is, what was meant to be acked is gone, 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import aio_pika
 import pytest
@@ -25,7 +28,27 @@ pytestmark = pytest.mark.asyncio
 MESSAGES = 2000
 
 
-async def test_acks_rejects_and_nacks_under_write_pressure_arrive_as_meant() -> None:
+@dataclass
+class Received:
+    connection: aio_pika.abc.AbstractConnection
+    channel: aio_pika.abc.AbstractChannel
+    messages: list[aio_pika.abc.AbstractIncomingMessage]
+    settlements: _Settlements
+    queue: str
+    dead: str
+
+    async def depths(self) -> tuple[int, int]:
+        """Messages left in the queue and in its dead-letter queue (after the channel closed)."""
+        check = await self.connection.channel()
+        main = await check.declare_queue(self.queue, passive=True)
+        dead = await check.declare_queue(self.dead, passive=True)
+        return main.declaration_result.message_count or 0, dead.declaration_result.message_count or 0
+
+
+@contextlib.asynccontextmanager
+async def all_received(count: int) -> AsyncIterator[Received]:
+    """``count`` messages published to a fresh queue (dead-lettered to another) and all delivered,
+    unsettled, to one channel whose deliveries a ``_Settlements`` knows; both queues deleted after."""
     queue, dead = f"settle-{uuid.uuid4().hex[:8]}", f"settle-{uuid.uuid4().hex[:8]}.dead"
     connection = await aio_pika.connect(AMQP_URL)
     try:
@@ -33,24 +56,33 @@ async def test_acks_rejects_and_nacks_under_write_pressure_arrive_as_meant() -> 
         await setup.declare_queue(dead, durable=False, auto_delete=False)
         await setup.declare_queue(queue, durable=False, arguments={
             "x-dead-letter-exchange": "", "x-dead-letter-routing-key": dead})
-        await publish(queue, [(f"m-{i}", b"x") for i in range(MESSAGES)])
-
+        await publish(queue, [(f"m-{i}", b"x") for i in range(count)])
         channel = await connection.channel()
-        await channel.set_qos(prefetch_count=MESSAGES)
+        await channel.set_qos(prefetch_count=count)
         received: list[aio_pika.abc.AbstractIncomingMessage] = []
         all_in = asyncio.Event()
 
         async def on_message(message: aio_pika.abc.AbstractIncomingMessage) -> None:
             received.append(message)
-            if len(received) == MESSAGES:
+            if len(received) == count:
                 all_in.set()
 
         await (await channel.get_queue(queue)).consume(on_message)
         await asyncio.wait_for(all_in.wait(), 30)
-
         settlements = _Settlements()
         for message in received:
             settlements.received(message)
+        yield Received(connection, channel, received, settlements, queue, dead)
+    finally:
+        cleanup = await connection.channel()
+        for name in (queue, dead):
+            await cleanup.queue_delete(name)
+        await connection.close()
+
+
+async def test_acks_rejects_and_nacks_under_write_pressure_arrive_as_meant() -> None:
+    async with all_received(MESSAGES) as got:
+        settlements, received, channel, connection = got.settlements, got.messages, got.channel, got.connection
         meant_dead = {m.message_id for m in received if int(str(m.message_id)[2:]) % 7 in (0, 3)}
 
         async def settle(message: aio_pika.abc.AbstractIncomingMessage) -> None:
@@ -63,9 +95,9 @@ async def test_acks_rejects_and_nacks_under_write_pressure_arrive_as_meant() -> 
                 await settlements.nack(message, requeue=False)
 
         async def flood() -> None:  # other frames on the same connection keep its frame queue full
-            other = await connection.channel()
+            other, nowhere = await connection.channel(), got.dead + ".x"
             for _ in range(20):
-                await asyncio.gather(*(other.default_exchange.publish(aio_pika.Message(b"f"), routing_key=dead + ".x")
+                await asyncio.gather(*(other.default_exchange.publish(aio_pika.Message(b"f"), routing_key=nowhere)
                                        for _ in range(200)))
 
         await asyncio.gather(flood(), *(settle(m) for m in received))
@@ -73,63 +105,28 @@ async def test_acks_rejects_and_nacks_under_write_pressure_arrive_as_meant() -> 
         assert not channel.is_closed, "a settlement closed the channel (PRECONDITION_FAILED)"
         await channel.close()  # anything left unsettled goes back to the queue and is counted below
 
-        check = await connection.channel()
-        dead_queue = await check.declare_queue(dead, passive=True)
-        main_queue = await check.declare_queue(queue, passive=True)
-        assert main_queue.declaration_result.message_count == 0
+        assert (await got.depths())[0] == 0
+        dead_queue = await (await connection.channel()).declare_queue(got.dead, passive=True)
         dead_ids = set()
         while (message := await dead_queue.get(fail=False, no_ack=True)) is not None:
             dead_ids.add(message.message_id)
         assert dead_ids == meant_dead
-    finally:
-        cleanup = await connection.channel()
-        for name in (queue, dead):
-            await cleanup.queue_delete(name)
-        await connection.close()
 
 
 async def test_a_settlement_whose_caller_is_cancelled_still_goes_out() -> None:
     # A delivery's task can be cancelled while it waits for its ack to be sent (its channel closing,
     # the shutdown's grace running out): the settlement was asked for and must still reach the broker,
     # in its order, or a message meant to be dead-lettered would come back and one acked run again.
-    queue, dead = f"settle-{uuid.uuid4().hex[:8]}", f"settle-{uuid.uuid4().hex[:8]}.dead"
-    connection = await aio_pika.connect(AMQP_URL)
-    try:
-        setup = await connection.channel()
-        await setup.declare_queue(dead, durable=False, auto_delete=False)
-        await setup.declare_queue(queue, durable=False, arguments={
-            "x-dead-letter-exchange": "", "x-dead-letter-routing-key": dead})
-        await publish(queue, [(f"m-{i}", b"x") for i in range(200)])
-        channel = await connection.channel()
-        await channel.set_qos(prefetch_count=200)
-        received: list[aio_pika.abc.AbstractIncomingMessage] = []
-        all_in = asyncio.Event()
-
-        async def on_message(message: aio_pika.abc.AbstractIncomingMessage) -> None:
-            received.append(message)
-            if len(received) == 200:
-                all_in.set()
-
-        await (await channel.get_queue(queue)).consume(on_message)
-        await asyncio.wait_for(all_in.wait(), 30)
-        settlements = _Settlements()
-        for message in received:
-            settlements.received(message)
+    async with all_received(200) as got:
         # Every message settled by a task cancelled as soon as it has asked: odd ones rejected.
-        tasks = [asyncio.ensure_future(settlements.reject(m, requeue=False) if i % 2 else settlements.ack(m))
-                 for i, m in enumerate(received)]
+        tasks = [asyncio.ensure_future(got.settlements.reject(m, requeue=False) if i % 2 else got.settlements.ack(m))
+                 for i, m in enumerate(got.messages)]
         await asyncio.sleep(0)  # each task has asked (its settlement is queued) and waits for the send
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         assert all(task.cancelled() for task in tasks), "the callers were not waiting when cancelled"
         await asyncio.sleep(0.5)  # the sender goes on without them
-        assert not channel.is_closed
-        await channel.close()  # anything unsettled would go back to the queue
-        check = await connection.channel()
-        assert (await check.declare_queue(queue, passive=True)).declaration_result.message_count == 0
-        assert (await check.declare_queue(dead, passive=True)).declaration_result.message_count == 100
-        await check.queue_delete(queue)
-        await check.queue_delete(dead)
-    finally:
-        await connection.close()
+        assert not got.channel.is_closed
+        await got.channel.close()  # anything unsettled would go back to the queue
+        assert await got.depths() == (0, 100)
