@@ -9,24 +9,30 @@ A process rather than moto's in-process ``ThreadedMotoServer``: moto does most o
 test (it scans the queue on every receive), and inside the test's process it would contend for the
 GIL with the event loop and the source's boto3 threads.
 
-The server runs with one fix (:func:`_serialise_deletes`): moto's ``Queue.delete_message`` builds a new
-message list and assigns it without the queue's lock, while ``SendMessage`` appends to the list under
-that lock; a message sent by one request thread while another deletes is appended to the old list
-and lost. Real SQS loses nothing; without the fix a test that sends while a consumer deletes (a live
-producer) sometimes ends a message short with the queue empty, which is moto's loss, not the
-consumer's. Run as ``python -m consumer_kit.testing.moto`` it takes ``moto.server``'s arguments.
+The server runs with one fix (:class:`SerialisedWrites`): moto's delete builds a new message list and
+assigns it without the queue's lock, while a send appends to the list under that lock; a message sent
+by one request thread while another deletes is appended to the old list and lost. Real SQS loses
+nothing; without the fix a test that sends while a consumer deletes (a live producer) sometimes ends a
+message short with the queue empty, which is moto's loss, not the consumer's. The fix is a WSGI
+middleware around moto's public application: the SQS requests that add or remove messages run one at
+a time (receives, long polls included, still run side by side). Run as
+``python -m consumer_kit.testing.moto -H HOST -p PORT``.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import io
 import os
 import re
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Iterator
+import urllib.parse
+from collections.abc import Callable, Iterator
 from typing import Any
 
 
@@ -61,25 +67,49 @@ def _read(path: str) -> bytes:
         return file.read()
 
 
-def _serialise_deletes() -> None:
-    """Make moto's delete hold the queue's lock, as its send already does (see the module's text)."""
-    from moto.sqs.models import Queue
-
-    delete = Queue.delete_message
-
-    def delete_message(self: Any, receipt_handle: str) -> None:
-        with self._messages_lock:  # a threading.Condition on an RLock; send_message appends under it
-            delete(self, receipt_handle)
-
-    Queue.delete_message = delete_message  # type: ignore[method-assign]
+WRITES = frozenset({"SendMessage", "SendMessageBatch", "DeleteMessage", "DeleteMessageBatch", "PurgeQueue"})
+"""The SQS actions that add or remove a queue's messages."""
 
 
-def main() -> None:
-    """``moto.server`` with the fix applied."""
-    _serialise_deletes()
-    from moto.server import main as serve
+class SerialisedWrites:
+    """WSGI middleware: the SQS requests in :data:`WRITES` run one at a time. The action is read from
+    the JSON protocol's ``X-Amz-Target`` header (what boto3 sends), else from the query protocol's
+    form body, which is then handed on unread."""
 
-    serve(sys.argv[1:])
+    def __init__(self, app: Callable[..., Any]) -> None:
+        self.app = app
+        self._lock = threading.Lock()
+
+    def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
+        if _action(environ) in WRITES:
+            with self._lock:
+                return list(self.app(environ, start_response))  # the whole answer made under the lock
+        return self.app(environ, start_response)
+
+
+def _action(environ: dict[str, Any]) -> str:
+    target = environ.get("HTTP_X_AMZ_TARGET", "")
+    if target.startswith("AmazonSQS."):
+        return str(target.removeprefix("AmazonSQS."))
+    if environ.get("CONTENT_TYPE", "").startswith("application/x-www-form-urlencoded"):
+        body = environ["wsgi.input"].read(int(environ.get("CONTENT_LENGTH") or 0))
+        environ["wsgi.input"] = io.BytesIO(body)
+        return str(urllib.parse.parse_qs(body.decode("utf-8", "replace")).get("Action", [""])[0])
+    return ""
+
+
+def main(argv: list[str] | None = None) -> None:
+    """moto's server (as ``moto.server`` runs it, from its public parts) behind :class:`SerialisedWrites`."""
+    from moto.moto_server.werkzeug_app import DomainDispatcherApplication, MotoRequestHandler, create_backend_app
+    from werkzeug.serving import run_simple
+
+    parser = argparse.ArgumentParser(prog="python -m consumer_kit.testing.moto")
+    parser.add_argument("-H", "--host", default="127.0.0.1")
+    parser.add_argument("-p", "--port", type=int, default=0)
+    args = parser.parse_args(argv)
+    os.environ.setdefault("MOTO_PORT", str(args.port))
+    run_simple(args.host, args.port, SerialisedWrites(DomainDispatcherApplication(create_backend_app)),
+               threaded=True, request_handler=MotoRequestHandler)
 
 
 if __name__ == "__main__":

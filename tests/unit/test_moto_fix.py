@@ -1,31 +1,66 @@
-"""The moto server the SQS tests run (consumer_kit.testing.moto) deletes under the queue's lock, as moto
-sends under it: a send can then never land in a message list that a concurrent delete throws away."""
+"""The moto server the SQS tests run (consumer_kit.testing.moto) takes the SQS requests that add or
+remove messages one at a time, so that a send can never land in a message list that a concurrent
+delete throws away; receives (long polls) still run side by side."""
 
 from __future__ import annotations
 
+import io
 import threading
+import time
+from typing import Any
 
-import moto.sqs.models as moto_sqs
+from consumer_kit.testing.moto import SerialisedWrites
 
 
-def test_a_delete_waits_for_the_queue_lock_that_a_send_holds() -> None:
-    from consumer_kit.testing.moto import _serialise_deletes
+class Recorder:
+    """A WSGI app that notes how many requests it is inside at once."""
 
-    original = moto_sqs.Queue.delete_message
-    _serialise_deletes()
-    try:
-        backend = moto_sqs.sqs_backends["123456789012"]["us-east-1"]
-        backend.create_queue("ck-moto-fix")
-        queue = backend.get_queue("ck-moto-fix")
-        backend.send_message("ck-moto-fix", "one")
-        handle = backend.receive_message("ck-moto-fix", count=1, wait_seconds_timeout=0,
-                                         visibility_timeout=30)[0].receipt_handle
-        deleted = threading.Event()
-        with queue._messages_lock:  # what a send holds while it appends
-            worker = threading.Thread(target=lambda: (queue.delete_message(handle), deleted.set()))
-            worker.start()
-            assert not deleted.wait(0.3), "the delete ran while a send held the queue's lock"
-        worker.join(5)
-        assert deleted.is_set() and queue.messages == []
-    finally:
-        moto_sqs.Queue.delete_message = original
+    def __init__(self) -> None:
+        self.inside = self.most = 0
+        self.lock = threading.Lock()
+        self.bodies: list[bytes] = []
+
+    def __call__(self, environ: dict[str, Any], start_response: Any) -> list[bytes]:
+        with self.lock:
+            self.inside += 1
+            self.most = max(self.most, self.inside)
+        self.bodies.append(environ["wsgi.input"].read())
+        time.sleep(0.05)
+        with self.lock:
+            self.inside -= 1
+        start_response("200 OK", [])
+        return [b"ok"]
+
+
+def concurrently(app: SerialisedWrites, environs: list[dict[str, Any]]) -> None:
+    threads = [threading.Thread(target=app, args=(environ, lambda *a: None)) for environ in environs]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(5)
+
+
+def json_request(action: str) -> dict[str, Any]:
+    return {"HTTP_X_AMZ_TARGET": f"AmazonSQS.{action}", "wsgi.input": io.BytesIO(b"{}")}
+
+
+def test_sends_and_deletes_run_one_at_a_time() -> None:
+    inner = Recorder()
+    concurrently(SerialisedWrites(inner), [json_request(a) for a in ("SendMessage", "DeleteMessage",
+                                                                      "SendMessageBatch", "DeleteMessageBatch")])
+    assert inner.most == 1
+
+
+def test_receives_still_run_side_by_side() -> None:
+    inner = Recorder()
+    concurrently(SerialisedWrites(inner), [json_request("ReceiveMessage") for _ in range(4)])
+    assert inner.most > 1
+
+
+def test_the_query_protocol_is_recognised_and_its_body_handed_on() -> None:
+    inner = Recorder()
+    body = b"Action=DeleteMessage&QueueUrl=x&ReceiptHandle=y"
+    concurrently(SerialisedWrites(inner), [
+        {"CONTENT_TYPE": "application/x-www-form-urlencoded", "CONTENT_LENGTH": str(len(body)),
+         "wsgi.input": io.BytesIO(body)} for _ in range(3)])
+    assert inner.most == 1 and inner.bodies == [body] * 3
