@@ -209,13 +209,23 @@ async def settle(source: InMemorySource, ticket: str) -> Result:
     raise AssertionError(f"{ticket} never settled")
 
 
-async def sweep_cancellations(app: ConsumerApp, source: InMemorySource, path: Path) -> None:
+async def sweep_cancellations(app: ConsumerApp, source: InMemorySource, path: Path, *,
+                              duplicates_common: bool = False) -> None:
+    """``duplicates_common``: before each cancelled delivery, a done message is delivered again and
+    again, so that the path looks its key up first (on PostgreSQL in a read shared with others, before
+    it takes a connection): the sweep then covers that await too."""
     await prepare(app)
     processed: set[str] = set()
     probes = 0
     k = 1
+    if duplicates_common:
+        await settle(source, "D0")
+        processed.add("D0")
     while True:
         ticket = f"T{k}"
+        for _ in range(40 if duplicates_common else 0):
+            again, _ = await deliver(source, "D0")
+            assert again is not None and again.outcome is Outcome.DUPLICATE, again
         result, seen = await deliver(source, ticket, k)
         if result is not None and seen < k:
             assert result.outcome is Outcome.PROCESSED, result
@@ -256,6 +266,14 @@ async def test_cancelled_at_every_await_point_postgres(pg_database: str, path: P
     app, source = build(pg_database, path)
     async with app.running():
         await sweep_cancellations(app, source, path)
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("path", [PG_PATHS[0], PG_PATHS[5], PG_PATHS[8]], ids=lambda p: p.id)
+async def test_cancelled_at_every_await_point_with_duplicates_common_postgres(pg_database: str, path: Path) -> None:
+    app, source = build(pg_database, path)
+    async with app.running():
+        await sweep_cancellations(app, source, path, duplicates_common=True)
 
 
 @pytest.mark.parametrize("path", SQLITE_PATHS, ids=lambda p: p.id)
