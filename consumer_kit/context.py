@@ -13,6 +13,7 @@ from consumer_kit.errors import TerminalError
 from consumer_kit.keys import OperationKey
 from consumer_kit.store.executor import SessionUnavailable
 from consumer_kit.store.outbox import OutboxWriter
+from consumer_kit.store.staged import StagedWrites
 
 if TYPE_CHECKING:
     from consumer_kit.store.executor import Executor
@@ -28,12 +29,13 @@ class Context:
     a message in that same transaction.
     """
 
-    __slots__ = ("_executor", "attempt", "delivery", "http", "key", "key_digest", "outbox", "session")
+    __slots__ = ("_executor", "_staged", "attempt", "delivery", "http", "key", "key_digest", "outbox", "session")
 
     def __init__(self, *, key: OperationKey, delivery: Delivery, executor: Executor, attempt: int,
-                 key_digest: str, outbox: OutboxWriter, session: Any = None,
+                 key_digest: str, outbox: OutboxWriter, staged: StagedWrites, session: Any = None,
                  http: httpx.AsyncClient | None = None) -> None:
         self.key = key
+        self._staged = staged
         self.delivery = delivery
         self._executor = executor
         self.attempt = attempt
@@ -59,6 +61,27 @@ class Context:
         """The asyncpg connection inside the delivery's transaction (PostgreSQL on the asyncpg driver;
         ``None`` otherwise): asyncpg's speed, with the same guarantee as ``db``."""
         return self._executor.driver
+
+    def stage(self, statement: Any, *args: Any, **params: Any) -> None:
+        """Write ``statement`` after the handler returns, in the delivery's transaction, together with
+        the same statement staged by the other deliveries of its batch: one ``executemany`` for all of
+        them. ``ctx.stage("INSERT INTO t (a, b) VALUES ($1, $2)", a, b)`` writes through asyncpg
+        (``ctx.connection``); ``ctx.stage(insert(t), a=a, b=b)`` or SQL text with ``:a`` through
+        SQLAlchemy (``ctx.db``). Use it for writes whose result the handler does not need (inserts,
+        updates by key): a failure surfaces at the commit, where on the batched path the batch is
+        halved until the delivery whose write failed stands alone."""
+        if args and params:
+            raise TerminalError("ctx.stage takes positional arguments (asyncpg's $1) or keyword "
+                                "parameters (SQLAlchemy's :name), not both", reason="handler_misconfigured")
+        if args or (not params and isinstance(statement, str) and self._executor.driver is not None):
+            if self._executor.driver is None:
+                raise TerminalError("ctx.stage with positional arguments writes through ctx.connection "
+                                    "(driver='asyncpg' on PostgreSQL); pass keyword parameters to write "
+                                    "through SQLAlchemy", reason="handler_misconfigured")
+            self._staged.driver(statement, args)
+        else:
+            self.db  # noqa: B018 - a handler registered driver="asyncpg" has no session: parked, with why
+            self._staged.session(statement, params)
 
     def derive(self, destination: str) -> str:
         """The idempotency key for ``destination``: ``<destination>:<this key>``."""

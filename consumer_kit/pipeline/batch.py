@@ -37,6 +37,7 @@ from consumer_kit.pipeline.fate import Fate
 from consumer_kit.pipeline.work import NO_COMMIT, NO_SPAN, Stores, Work, log, run_handler
 from consumer_kit.store.executor import Executor
 from consumer_kit.store.inbox import BatchKey, Claim, ClaimStatus
+from consumer_kit.store.staged import StagedWrites
 
 if TYPE_CHECKING:
     from consumer_kit.pipeline.single import SinglePath
@@ -224,6 +225,7 @@ class BatchedPath:
         ran: list[Work] = []
         settled: list[tuple[Work, Claim]] = []
         links = None if trace is None else trace.link
+        staged = StagedWrites()  # the handlers' ctx.stage(...) writes: one statement each for the batch
         with NO_COMMIT if trace is None else trace.commit() as committing:
             async with ex.begin(deferred=True):
                 with NO_SPAN if trace is None else trace.child("claim"):
@@ -239,10 +241,12 @@ class BatchedPath:
                         settled.append((work, claim))
                 for work in ran:
                     try:
-                        await run_handler(stores, ex, work, links)
+                        await run_handler(stores, ex, work, links, staged)
                     except Exception as exc:
                         work.log(logging.INFO, f"handler failed in a batch ({type(exc).__name__}); it runs alone")
                         raise _HandlerFailed(work) from exc
+                if staged:  # a failure here fails the batch as a whole: it is halved (_transactions)
+                    await staged.write(ex)
                 committing()
         return ran, settled
 

@@ -22,6 +22,7 @@ from consumer_kit.settings import Settings
 from consumer_kit.store import Claim, DeadLetters, Inbox, OutboxWriter
 from consumer_kit.store.connections import Database
 from consumer_kit.store.executor import Executor
+from consumer_kit.store.staged import StagedWrites
 from consumer_kit.tracing import current_headers
 
 if TYPE_CHECKING:
@@ -173,19 +174,25 @@ async def usable(stores: Stores, ex: Executor | None) -> AsyncIterator[Executor]
         yield own
 
 
-async def run_handler(stores: Stores, ex: Executor, work: Work, links: Sequence[Link] | None = None) -> None:
-    """Run the handler inside ``ex``'s transaction, then write what it staged (outbox rows, ORM objects)
-    in the same transaction. The caller completes the inbox row and commits. Traced, it runs in a
-    ``handler`` span (``links``: to the batch it runs in), whose context each outbox row carries."""
+async def run_handler(stores: Stores, ex: Executor, work: Work, links: Sequence[Link] | None = None,
+                      staged: StagedWrites | None = None) -> None:
+    """Run the handler inside ``ex``'s transaction, then write what it staged (``ctx.stage`` rows, outbox
+    rows, ORM objects) in the same transaction. The caller completes the inbox row and commits.
+    ``staged``: the batch's staged writes, which the batch writes once all its handlers ran. Traced, it
+    runs in a ``handler`` span (``links``: to the batch it runs in), whose context each outbox row carries."""
     spec, claim = work.spec, work.claim
     assert claim is not None
     outbox = OutboxWriter(stores.digester, spec.consumer, work.key, clock=stores.inbox.clock,
                           trace_headers=None if work.trace is None else current_headers)
+    writes = StagedWrites() if staged is None else staged
     ctx = Context(key=work.key, delivery=work.delivery, executor=ex, attempt=work.attempts,
-                  key_digest=work.digest, outbox=outbox, session=work.receipt, http=stores.http)
+                  key_digest=work.digest, outbox=outbox, session=work.receipt, http=stores.http,
+                  staged=writes)
     with NO_SPAN if work.trace is None else work.trace.child(
             "handler", attributes={"consumer_kit.attempt": ctx.attempt}, links=links):
         await spec.func(ctx)
+        if staged is None and writes:
+            await writes.write(ex)
         await ctx.outbox.flush(ex)
         session: AsyncSession | None = ex.session_made()
         if session is not None and (session.new or session.dirty or session.deleted):  # ORM objects to write

@@ -75,13 +75,15 @@ class Path:
     session: bool = False
     writes: bool = True  # an effect row through ctx.db / ctx.connection
     outbox: bool = True  # and an outbox row (neither: the inbox completion is the transaction's only write)
+    staged: bool = False  # the effect row staged with ctx.stage (written after the handler returns)
 
     @property
     def id(self) -> str:
         return "-".join([
             "one-txn" if self.single else "two-txn", self.driver,
             "session" if self.session else "no-session",
-            "writes" if self.writes else ("outbox-only" if self.outbox else "writes-nothing"),
+            ("staged" if self.staged else "writes") if self.writes else
+            ("outbox-only" if self.outbox else "writes-nothing"),
         ])
 
 
@@ -95,8 +97,10 @@ PG_PATHS = [
     Path(driver="asyncpg"),
     Path(driver="asyncpg", session=True),
     Path(driver="asyncpg", single=True),
+    Path(staged=True),
+    Path(driver="asyncpg", single=True, staged=True),
 ]
-SQLITE_PATHS = [Path(), Path(session=True), Path(single=True)]
+SQLITE_PATHS = [Path(), Path(session=True), Path(single=True), Path(single=True, staged=True)]
 
 
 def build(url: str, path: Path) -> tuple[ConsumerApp, InMemorySource]:
@@ -108,7 +112,12 @@ def build(url: str, path: Path) -> tuple[ConsumerApp, InMemorySource]:
                  **session)
     async def handle(ctx: Context) -> None:
         ticket = ctx.delivery.json()["key"]
-        if path.writes:
+        if path.writes and path.staged:
+            if path.driver == "asyncpg":
+                ctx.stage("INSERT INTO cancel_effects (ticket) VALUES ($1)", ticket)
+            else:
+                ctx.stage("INSERT INTO cancel_effects (ticket) VALUES (:t)", t=ticket)
+        elif path.writes:
             if path.driver == "asyncpg":
                 await ctx.connection.execute("INSERT INTO cancel_effects (ticket) VALUES ($1)", ticket)
             else:

@@ -1,0 +1,166 @@
+"""ctx.stage: writes run after the handler, in the delivery's transaction, one statement for a batch."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from prometheus_client import REGISTRY
+from sqlalchemy import Column, MetaData, String, Table, insert
+
+from consumer_kit import Batch, ConsumerApp, Context, Outcome
+from consumer_kit.store.staged import StagedWrites
+from consumer_kit.testing import InMemorySource
+from tests.conftest import make_settings
+
+effects_table = Table("staged_effects", MetaData(), Column("ticket", String(40), nullable=False))
+INSERT = insert(effects_table)  # built once: the batch groups rows by the statement object
+
+
+async def prepare(app: ConsumerApp) -> None:
+    async with app.engine.begin() as conn:
+        await conn.exec_driver_sql("DROP TABLE IF EXISTS staged_effects")
+        await conn.exec_driver_sql("CREATE TABLE staged_effects (ticket VARCHAR(40) NOT NULL UNIQUE)")
+
+
+async def effects(app: ConsumerApp) -> dict[str, int]:
+    async with app.engine.connect() as conn:
+        rows = (await conn.exec_driver_sql("SELECT ticket, count(*) FROM staged_effects GROUP BY ticket")).all()
+    return {r[0]: int(r[1]) for r in rows}
+
+
+def bisections() -> float:
+    return REGISTRY.get_sample_value("consumer_kit_batch_bisections_total") or 0.0
+
+
+def stage(ctx: Context, style: str, ticket: str) -> None:
+    """The effect row, staged as a handler of ``style`` writes it."""
+    if style == "asyncpg":
+        ctx.stage("INSERT INTO staged_effects (ticket) VALUES ($1)", ticket)
+    elif style == "text":
+        ctx.stage("INSERT INTO staged_effects (ticket) VALUES (:t)", t=ticket)
+    else:
+        ctx.stage(INSERT, ticket=ticket)
+
+
+@pytest.mark.parametrize("style", ["text", "core"])
+async def test_a_batch_writes_its_staged_rows_and_a_failing_row_is_isolated(style: str, database_url: str) -> None:
+    """48 deliveries stage a row each through SQLAlchemy; two stage a row that breaks a unique
+    constraint (the same ticket as a good one). Their batches fail at the staged write, are halved
+    until each stands alone, and only they are parked: every good row once, nobody else redelivered."""
+    await batch_with_clashes(database_url, style)
+
+
+@pytest.mark.postgres
+async def test_a_batch_writes_its_staged_asyncpg_rows_and_a_failing_row_is_isolated(pg_database: str) -> None:
+    """The same with asyncpg's positional arguments (``driver="asyncpg"``): one executemany a batch."""
+    await batch_with_clashes(pg_database, "asyncpg")
+
+
+async def batch_with_clashes(database_url: str, style: str) -> None:
+    app = ConsumerApp(make_settings(database_url, retry_attempts=1, max_deliveries=1))
+    source = InMemorySource(namespace="staged", version=1)
+
+    @app.handler(source, name="staged", single_transaction=True, batch=Batch(max_size=16, max_wait_ms=20),
+                 driver="asyncpg" if style == "asyncpg" else "sqlalchemy")
+    async def handle(ctx: Context) -> None:
+        ticket = ctx.delivery.text()
+        stage(ctx, style, ticket.removeprefix("clash-"))
+
+    tickets = [f"t-{i}" for i in range(48)] + ["clash-t-3", "clash-t-40"]
+    before = bisections()
+    async with app.running():
+        await prepare(app)
+        results = await asyncio.gather(*(source.deliver(id=f"m-{t}", body=t) for t in tickets))
+        seen = await effects(app)
+        parked = await app.dead_letters.list()
+    outcomes = dict(zip(tickets, (r.outcome for r in results), strict=True))
+    assert seen == {f"t-{i}": 1 for i in range(48)}
+    assert all(outcomes[t] is Outcome.PROCESSED for t in tickets if not t.startswith("clash"))
+    assert outcomes["clash-t-3"] is outcomes["clash-t-40"] is Outcome.DEAD_LETTERED
+    assert {p.body for p in parked} == {b"clash-t-3", b"clash-t-40"}
+    assert bisections() > before
+
+
+@pytest.mark.parametrize("single", [True, False], ids=["single-transaction", "two-transactions"])
+async def test_staged_rows_commit_with_the_delivery_and_roll_back_with_it(single: bool, database_url: str) -> None:
+    """Without a batch, the staged rows are written when the handler returns, in its transaction: a
+    handler that raises after staging leaves nothing; its retry writes the row once."""
+    app = ConsumerApp(make_settings(database_url, retry_attempts=2))
+    source = InMemorySource(namespace="staged-one", version=1)
+    failed: set[str] = set()
+
+    @app.handler(source, name="staged-one", single_transaction=single)
+    async def handle(ctx: Context) -> None:
+        ticket = ctx.delivery.text()
+        ctx.stage(INSERT, ticket=ticket)
+        ctx.stage("INSERT INTO staged_effects (ticket) VALUES (:t)", t=f"{ticket}-text")
+        if ticket.startswith("flaky") and ticket not in failed:
+            failed.add(ticket)
+            raise ConnectionError("once, after staging")
+
+    async with app.running():
+        await prepare(app)
+        results = [await source.deliver(id=f"m-{t}", body=t) for t in ("plain", "flaky")]
+        again = await source.deliver(id="m-plain", body="plain")
+        seen = await effects(app)
+    assert [r.outcome for r in results] == [Outcome.PROCESSED, Outcome.PROCESSED]
+    assert again.outcome is Outcome.DUPLICATE
+    assert seen == {"plain": 1, "plain-text": 1, "flaky": 1, "flaky-text": 1}
+
+
+async def test_positional_arguments_need_the_asyncpg_driver(sqlite_url: str) -> None:
+    """``ctx.stage(sql, *args)`` is asyncpg's; on SQLite (no asyncpg connection), or mixed with
+    keyword parameters, the delivery is parked with the reason, not retried."""
+    app = ConsumerApp(make_settings(sqlite_url))
+    source = InMemorySource(namespace="staged-wrong", version=1)
+
+    @app.handler(source, name="staged-wrong")
+    async def handle(ctx: Context) -> None:
+        if ctx.delivery.text() == "both":
+            ctx.stage("INSERT INTO staged_effects (ticket) VALUES ($1)", "x", t="x")
+        ctx.stage("INSERT INTO staged_effects (ticket) VALUES ($1)", "x")
+
+    async with app.running():
+        await prepare(app)
+        results = [await source.deliver(id=f"m-{b}", body=b) for b in ("positional", "both")]
+        parked = await app.dead_letters.list()
+    assert [r.outcome for r in results] == [Outcome.DEAD_LETTERED] * 2
+    assert {p.reason for p in parked} == {"handler_misconfigured"}
+    assert any("not both" in (p.detail or "") for p in parked)
+    assert any("driver='asyncpg'" in (p.detail or "") for p in parked)
+
+
+class _Recorder:
+    """An executor double that records what the staged writes send."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, Any, Any]] = []
+        self.driver = self
+        self.session = self
+
+    async def executemany(self, statement: str, rows: list[tuple[Any, ...]]) -> None:
+        self.calls.append(("executemany", statement, rows))
+
+    async def execute(self, statement: Any, params: Any = None) -> None:
+        self.calls.append(("execute", str(statement), params))
+
+
+async def test_staged_writes_group_rows_by_statement_in_first_staged_order() -> None:
+    staged, recorder = StagedWrites(), _Recorder()
+    for i in range(3):
+        staged.driver("INSERT INTO b VALUES ($1)", (i,))
+        staged.driver("INSERT INTO a VALUES ($1)", (i,))
+    staged.session("INSERT INTO c VALUES (:v)", {"v": 1})
+    staged.session("INSERT INTO c VALUES (:v)", {"v": 2})
+    staged.session("DELETE FROM d", {})
+    assert staged
+    await staged.write(recorder)  # type: ignore[arg-type]
+    assert recorder.calls == [
+        ("executemany", "INSERT INTO b VALUES ($1)", [(0,), (1,), (2,)]),
+        ("executemany", "INSERT INTO a VALUES ($1)", [(0,), (1,), (2,)]),
+        ("execute", "INSERT INTO c VALUES (:v)", [{"v": 1}, {"v": 2}]),
+        ("execute", "DELETE FROM d", None),
+    ]
+    assert not staged  # written once: nothing is left to write again
