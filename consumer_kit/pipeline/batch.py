@@ -183,41 +183,48 @@ class BatchedPath:
 
     async def _transactions(self, works: list[Work], after: list[Work],
                             trace: BatchTrace | None) -> AsyncIterator[tuple[Work, Result]]:
-        spec = works[0].spec
+        async with self.stores.database.connect(session=works[0].spec.uses_db) as ex:
+            async for item in self._on(ex, works, after, trace):
+                yield item
+
+    async def _on(self, ex: Executor, works: list[Work], after: list[Work],
+                  trace: BatchTrace | None) -> AsyncIterator[tuple[Work, Result]]:
+        """The batch's transactions on ``ex``, halves included: one connection a batch, however often
+        it is halved (a connection a half, held while the halves ran, could empty the pool)."""
         remaining = works
-        async with self.stores.database.connect(session=spec.uses_db) as ex:
-            while remaining:
-                try:
-                    ran, settled = await self._attempt(ex, remaining, trace)
-                except _HandlerFailed as failed:  # rolled back: the rest runs again without it
-                    self._remember(failed.work)
-                    after.append(failed.work)
-                    remaining = [w for w in remaining if w is not failed.work]
-                    continue
-                except Exception as exc:
-                    if ex.discarded or len(remaining) == 1:
-                        log.warning("a batch of %d failed as a whole (%s); its deliveries go one by one",
-                                    len(remaining), type(exc).__name__)
-                        after.extend(remaining)
-                        return
-                    # The commit failed as a whole (a deadlock, a serialization failure, a deferred
-                    # constraint): halve the batch until the culprit stands alone.
-                    metrics.BATCH_BISECTIONS.inc()
-                    half = len(remaining) // 2
-                    for part in (remaining[:half], remaining[half:]):
-                        async for item in self._transactions(part, after, trace):
-                            yield item
+        while remaining:
+            try:
+                ran, settled = await self._attempt(ex, remaining, trace)
+            except _HandlerFailed as failed:  # rolled back: the rest runs again without it
+                self._remember(failed.work)
+                after.append(failed.work)
+                remaining = [w for w in remaining if w is not failed.work]
+                continue
+            except Exception as exc:
+                if ex.discarded or len(remaining) == 1:
+                    log.warning("a batch of %d failed as a whole (%s); its deliveries go one by one",
+                                len(remaining), type(exc).__name__)
+                    after.extend(remaining)
                     return
-                for work in ran:
-                    work.log(logging.DEBUG, "delivery processed in a batch")
-                    yield work, Result(Outcome.PROCESSED, Settlement.ACK, key_digest=work.digest)
-                for work, claim in settled:
-                    if claim.status is ClaimStatus.ACQUIRED:  # failed before: not in a batch
-                        self._remember(work)
-                        after.append(work)
-                    else:
-                        yield work, await self.fate.not_acquired(work, claim, ex)
+                # The commit (or a staged write) failed as a whole (a deadlock, a serialization
+                # failure, a deferred constraint, a row a constraint refuses): halve the batch until
+                # the culprit stands alone.
+                metrics.BATCH_BISECTIONS.inc()
+                half = len(remaining) // 2
+                for part in (remaining[:half], remaining[half:]):
+                    async for item in self._on(ex, part, after, trace):
+                        yield item
                 return
+            for work in ran:
+                work.log(logging.DEBUG, "delivery processed in a batch")
+                yield work, Result(Outcome.PROCESSED, Settlement.ACK, key_digest=work.digest)
+            for work, claim in settled:
+                if claim.status is ClaimStatus.ACQUIRED:  # failed before: not in a batch
+                    self._remember(work)
+                    after.append(work)
+                else:
+                    yield work, await self.fate.not_acquired(work, claim, ex)
+            return
 
     async def _attempt(self, ex: Executor, works: list[Work],
                        trace: BatchTrace | None) -> tuple[list[Work], list[tuple[Work, Claim]]]:

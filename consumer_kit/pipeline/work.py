@@ -191,9 +191,12 @@ async def run_handler(stores: Stores, ex: Executor, work: Work, links: Sequence[
     with NO_SPAN if work.trace is None else work.trace.child(
             "handler", attributes={"consumer_kit.attempt": ctx.attempt}, links=links):
         await spec.func(ctx)
-        if staged is None and writes:
-            await writes.write(ex)
-        await ctx.outbox.flush(ex)
+        if staged is None:
+            if writes:
+                await writes.write(ex)
+            await ctx.outbox.flush(ex)
+        else:  # in a batch: written with the batch's, once all its handlers ran
+            staged.outbox(outbox.take())
         session: AsyncSession | None = ex.session_made()
         if session is not None and (session.new or session.dirty or session.deleted):  # ORM objects to write
             await session.flush()

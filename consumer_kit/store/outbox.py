@@ -103,8 +103,12 @@ class OutboxWriter:
     async def flush(self, ex: Executor) -> None:
         """Insert the staged rows in the delivery's transaction (the pipeline calls this)."""
         if self._rows:
-            rows, self._rows = self._rows, []
-            await write(ex, rows)
+            await write(ex, self.take())
+
+    def take(self) -> list[dict[str, Any]]:
+        """The staged rows, to be written with others (a batch's); none are left staged."""
+        rows, self._rows = self._rows, []
+        return rows
 
 
 class OutboxBatch:

@@ -1,6 +1,7 @@
 """Writes a handler stages with ``ctx.stage(statement, ...)``: run after the handler, in the delivery's
 transaction, each statement once for all its rows (asyncpg's ``executemany``, SQLAlchemy's
 executemany), so that a batch of 64 deliveries that each insert a row sends one statement, not 64.
+On the batched path the deliveries' outbox rows are written the same way, after the statements.
 
 Statements are grouped by their text (or, for an SQLAlchemy statement object, by the object: build it
 once, at import) and written in the order each was first staged; rows of one statement keep the order
@@ -16,6 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import text
 
+from consumer_kit.store.outbox import write as write_outbox
+
 if TYPE_CHECKING:
     from consumer_kit.store.executor import Executor
 
@@ -25,10 +28,11 @@ _DRIVER, _SESSION = 0, 1
 class StagedWrites:
     """The statements staged by the handlers of one transaction (one delivery's, or a batch's)."""
 
-    __slots__ = ("_groups",)
+    __slots__ = ("_groups", "_outbox")
 
     def __init__(self) -> None:
         self._groups: dict[tuple[int, Any], list[Any]] = {}
+        self._outbox: list[dict[str, Any]] = []
 
     def driver(self, statement: str, args: tuple[Any, ...]) -> None:
         """Stage SQL text with asyncpg's positional ``$1`` arguments (``ctx.connection``)."""
@@ -38,12 +42,17 @@ class StagedWrites:
         """Stage an SQLAlchemy statement (or SQL text) with named ``:name`` parameters (``ctx.db``)."""
         self._groups.setdefault((_SESSION, statement), []).append(params)
 
+    def outbox(self, rows: list[dict[str, Any]]) -> None:
+        """Stage outbox rows (``ctx.outbox.publish``), written after the statements, all in one go."""
+        self._outbox.extend(rows)
+
     def __bool__(self) -> bool:
-        return bool(self._groups)
+        return bool(self._groups or self._outbox)
 
     async def write(self, ex: Executor) -> None:
         """Run every staged statement on ``ex``, inside its transaction; nothing is staged after."""
         groups, self._groups = self._groups, {}
+        rows_out, self._outbox = self._outbox, []
         for (kind, statement), rows in groups.items():
             if kind == _DRIVER:
                 await ex.driver.executemany(statement, rows)  # type: ignore[union-attr]
@@ -54,3 +63,5 @@ class StagedWrites:
                 else:
                     for params in rows:
                         await ex.session.execute(clause, params or None)
+        if rows_out:
+            await write_outbox(ex, rows_out)
