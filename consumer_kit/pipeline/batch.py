@@ -85,6 +85,9 @@ class BatchedPath:
         self._timers: dict[str, asyncio.TimerHandle] = {}
         self._active: collections.Counter[str] = collections.Counter()  # batches running, per handler
         self._running: set[asyncio.Task[None]] = set()
+        # SQLite has one writer: a second batch would only wait for the write lock, and, measured under
+        # load, a batch waiting on one whose write failed could wait out the busy timeout (30 s).
+        self._one_writer = stores.database.dialect == "sqlite"
         # Keys that failed inside a batch (bounded: the oldest are forgotten first).
         self._failed: collections.OrderedDict[str, None] = collections.OrderedDict()
 
@@ -100,7 +103,7 @@ class BatchedPath:
         waiting.append((work, future))
         if len(waiting) >= batch.max_size:
             self._flush(spec.consumer)
-        elif spec.consumer not in self._timers and self._active[spec.consumer] < batch.max_concurrent:
+        elif spec.consumer not in self._timers and self._active[spec.consumer] < self._concurrent(batch):
             self._timers[spec.consumer] = asyncio.get_running_loop().call_later(
                 batch.max_wait_ms / 1000, self._flush, spec.consumer)
         # A caller that is cancelled (its channel closed) cancels only this future, never the batch,
@@ -120,7 +123,7 @@ class BatchedPath:
             return
         batch = waiting[0][0].spec.batch
         assert batch is not None
-        if self._active[consumer] >= batch.max_concurrent:
+        if self._active[consumer] >= self._concurrent(batch):
             return
         items, rest = waiting[:batch.max_size], waiting[batch.max_size:]
         if rest:
@@ -131,6 +134,9 @@ class BatchedPath:
         task = asyncio.ensure_future(self._settle(items))
         self._running.add(task)
         task.add_done_callback(lambda done: self._ended(consumer, done))
+
+    def _concurrent(self, batch: Batch) -> int:
+        return 1 if self._one_writer else batch.max_concurrent
 
     def _ended(self, consumer: str, task: asyncio.Task[None]) -> None:
         self._running.discard(task)
