@@ -266,29 +266,30 @@ class RabbitMQSource(EnvelopedSource):
         except asyncio.CancelledError:
             raise  # unsettled: the broker redelivers when the channel closes
         except Exception as exc:
-            # Usually the connection dropped after the commit: the redelivery is acked as a duplicate.
-            log.warning("%s: settlement not delivered to the broker (%s); it will redeliver",
+            # The copy to the dead-letter or retry queue was not confirmed (usually the connection
+            # dropped): the message was not acked, and the broker redelivers it.
+            log.warning("%s: copy not published (%s); the broker will redeliver the message",
                         self.name, type(exc).__name__)
 
     async def _settle(self, message: AbstractIncomingMessage, delivery: Delivery, result: Result) -> None:
         if result.settlement is Settlement.ACK:
-            await self._settlements.ack(message)
+            self._settlements.ack(message)
         elif result.settlement is Settlement.DEAD_LETTER:
             if not self.dead_letter:
-                await self._settlements.reject(message, requeue=False)
+                self._settlements.reject(message, requeue=False)
                 return
             headers = {REASON_HEADER: result.reason or "dead_letter", SOURCE_QUEUE_HEADER: self.queue}
             await self._republish(message, self.dead_letter_queue, headers)
-            await self._settlements.ack(message)
+            self._settlements.ack(message)
         elif not self.retry_delays:
             # No retry queue: give the broker the message back after a short pause, so that a key
             # in progress elsewhere is not spun on at network speed.
             await asyncio.sleep(min(result.delay or 0.0, 1.0))
-            await self._settlements.nack(message, requeue=True)
+            self._settlements.nack(message, requeue=True)
         else:
             delay = self._retry_delay(delivery.attempt, result.delay)
             await self._republish(message, self.retry_queue(delay), {ATTEMPT_HEADER: delivery.attempt + 1})
-            await self._settlements.ack(message)
+            self._settlements.ack(message)
 
     def _retry_delay(self, attempt: int, wanted: float | None) -> float:
         """The configured delay for this retry: at least the pipeline's and at least this attempt's step."""
@@ -357,8 +358,12 @@ class RabbitMQSource(EnvelopedSource):
     async def close(self) -> None:
         """Wait for settlements in progress (bounded), then close the connection; whatever is still
         unacknowledged goes back to the queue."""
+        deadline = time.monotonic() + SETTLE_TIMEOUT_SECONDS
         if self._in_flight:
             await asyncio.wait(set(self._in_flight), timeout=SETTLE_TIMEOUT_SECONDS)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                await self._settlements.drained()
         if self._connection is not None:
             connection, self._connection = self._connection, None
             with contextlib.suppress(Exception):
@@ -401,37 +406,43 @@ class _Settlements:
                 self._asked.pop(old, None)
         self._unsettled.setdefault(channel, {})[tag] = message
 
-    async def ack(self, message: AbstractIncomingMessage) -> None:
-        await self._settle(message, "ack", requeue=False)
+    def ack(self, message: AbstractIncomingMessage) -> None:
+        """Ask for ``message`` to be acked; it is sent in order, by the channel's sender."""
+        self._ask(message, "ack", requeue=False)
 
-    async def nack(self, message: AbstractIncomingMessage, *, requeue: bool) -> None:
-        await self._settle(message, "nack", requeue=requeue)
+    def nack(self, message: AbstractIncomingMessage, *, requeue: bool) -> None:
+        """Ask for ``message`` to be nacked (``requeue``: given back to the queue)."""
+        self._ask(message, "nack", requeue=requeue)
 
-    async def reject(self, message: AbstractIncomingMessage, *, requeue: bool) -> None:
-        await self._settle(message, "reject", requeue=requeue)
+    def reject(self, message: AbstractIncomingMessage, *, requeue: bool) -> None:
+        """Ask for ``message`` to be rejected (``requeue``: given back to the queue)."""
+        self._ask(message, "reject", requeue=requeue)
 
-    async def _settle(self, message: AbstractIncomingMessage, action: str, *, requeue: bool) -> None:
+    async def drained(self) -> None:
+        """Wait until every settlement asked for has been sent (cancelling the wait stops no sender)."""
+        senders = [s for s in self._senders.values() if not s.done()]
+        if senders:
+            await asyncio.wait(senders)
+
+    def _ask(self, message: AbstractIncomingMessage, action: str, *, requeue: bool) -> None:
+        # Nobody waits for the frame to go out: it is sent in its order by the channel's sender, and
+        # one that never reaches the broker (the channel closed) only means a redelivery, which the
+        # inbox acknowledges as a duplicate. Waiting would cost every delivery a future and another
+        # trip through the event loop, for an error it could do nothing about.
         tag, channel = message.delivery_tag, _channel(message)
         if tag is None or channel is None or tag not in self._unsettled.get(channel, {}):
-            # Not one of this channel's unsettled deliveries (its channel closed): aio-pika says why.
-            if action == "ack":
-                await message.ack()
-            elif action == "nack":
-                await message.nack(requeue=requeue)
-            else:
-                await message.reject(requeue=requeue)
+            # Not one of this channel's unsettled deliveries: its channel closed (the broker takes the
+            # delivery back), or it was settled already.
+            log.warning("%s of delivery %s not sent: its channel closed or it was settled already; the broker "
+                        "redelivers what was not settled", action, tag)
             return
-        settlement = _Settlement(message, action, requeue, asyncio.get_running_loop().create_future())
-        self._asked.setdefault(channel, {})[tag] = settlement
+        self._asked.setdefault(channel, {})[tag] = _Settlement(message, action, requeue)
         sender = self._senders.get(channel)
         if sender is None or sender.done():
             self._senders[channel] = asyncio.ensure_future(self._send(channel))
-        # A cancelled caller cancels only its future: the settlement stays asked for and is sent.
-        await settlement.future
 
     async def _send(self, channel: object) -> None:
         unsettled = self._unsettled.get(channel, {})
-        asked: dict[int, _Settlement] = {}
         try:
             while asked := self._asked.pop(channel, {}):
                 run: list[int] = []
@@ -440,29 +451,25 @@ class _Settlements:
                         break
                     run.append(tag)
                 if len(run) > 1:
-                    covered = [asked.pop(tag) for tag in run]
+                    last = asked[run[-1]]
                     for tag in run:
-                        del unsettled[tag]
-                    await covered[-1].send(multiple=True, also=covered[:-1])
+                        del asked[tag], unsettled[tag]
+                    await last.send(multiple=len(run))
                 for tag in sorted(asked):
                     unsettled.pop(tag, None)
-                    await asked.pop(tag).send()
-        except BaseException as exc:  # cancelled (the loop is closing): nothing more goes out
-            for settlement in (*asked.values(), *self._asked.pop(channel, {}).values()):
-                settlement.fail(exc)
-            raise
+                    await asked[tag].send()
         finally:
             self._senders.pop(channel, None)
 
 
 class _Settlement:
-    def __init__(self, message: AbstractIncomingMessage, action: str, requeue: bool,
-                 future: asyncio.Future[None]) -> None:
-        self.message, self.action, self.requeue, self.future = message, action, requeue, future
+    __slots__ = ("action", "message", "requeue")
 
-    async def send(self, *, multiple: bool = False, also: Sequence[_Settlement] = ()) -> None:
-        """Send it, and resolve its future and those of ``also`` (covered by a multiple ack)."""
-        error: BaseException | None = None
+    def __init__(self, message: AbstractIncomingMessage, action: str, requeue: bool) -> None:
+        self.message, self.action, self.requeue = message, action, requeue
+
+    async def send(self, *, multiple: int = 0) -> None:
+        """Send it (``multiple``: an ack of that many deliveries, this one the newest)."""
         try:
             # aiormq's channel (aio-pika's public ``message.channel``), with ``wait=False``: the frame
             # is queued in order and the next one follows at once, instead of each waiting until the
@@ -471,23 +478,15 @@ class _Settlement:
             channel, tag = self.message.channel, self.message.delivery_tag
             assert tag is not None
             if self.action == "ack":
-                await channel.basic_ack(delivery_tag=tag, multiple=multiple, wait=False)
+                await channel.basic_ack(delivery_tag=tag, multiple=multiple > 1, wait=False)
             elif self.action == "nack":
                 await channel.basic_nack(delivery_tag=tag, requeue=self.requeue, wait=False)
             else:
                 await channel.basic_reject(delivery_tag=tag, requeue=self.requeue, wait=False)
         except Exception as exc:
-            error = exc
-        for settlement in (*also, self):
-            if error is None:
-                if not settlement.future.done():
-                    settlement.future.set_result(None)
-            else:
-                settlement.fail(error)
-
-    def fail(self, error: BaseException) -> None:
-        if not self.future.done():
-            self.future.set_exception(error)
+            # Usually the connection dropped after the commit: the redeliveries are acked as duplicates.
+            log.warning("%s of %d deliveries not sent to the broker (%s); it will redeliver them",
+                        self.action, max(multiple, 1), type(exc).__name__)
 
 
 def _channel(message: AbstractIncomingMessage) -> object | None:

@@ -88,11 +88,11 @@ async def test_acks_rejects_and_nacks_under_write_pressure_arrive_as_meant() -> 
         async def settle(message: aio_pika.abc.AbstractIncomingMessage) -> None:
             await asyncio.sleep(random.random() * 0.05)
             if message.message_id not in meant_dead:
-                await settlements.ack(message)
+                settlements.ack(message)
             elif int(str(message.message_id)[2:]) % 2:
-                await settlements.reject(message, requeue=False)
+                settlements.reject(message, requeue=False)
             else:
-                await settlements.nack(message, requeue=False)
+                settlements.nack(message, requeue=False)
 
         async def flood() -> None:  # other frames on the same connection keep its frame queue full
             other, nowhere = await connection.channel(), got.dead + ".x"
@@ -101,6 +101,7 @@ async def test_acks_rejects_and_nacks_under_write_pressure_arrive_as_meant() -> 
                                        for _ in range(200)))
 
         await asyncio.gather(flood(), *(settle(m) for m in received))
+        await settlements.drained()
         await asyncio.sleep(0.5)  # the last frames reach the broker
         assert not channel.is_closed, "a settlement closed the channel (PRECONDITION_FAILED)"
         await channel.close()  # anything left unsettled goes back to the queue and is counted below
@@ -113,20 +114,25 @@ async def test_acks_rejects_and_nacks_under_write_pressure_arrive_as_meant() -> 
         assert dead_ids == meant_dead
 
 
-async def test_a_settlement_whose_caller_is_cancelled_still_goes_out() -> None:
-    # A delivery's task can be cancelled while it waits for its ack to be sent (its channel closing,
-    # the shutdown's grace running out): the settlement was asked for and must still reach the broker,
-    # in its order, or a message meant to be dead-lettered would come back and one acked run again.
+async def test_settlements_asked_for_are_all_sent_by_the_time_drained_returns() -> None:
+    # Nobody waits for a settlement to be sent (a delivery asks and ends); the source's close() waits
+    # for the senders instead, so that what was asked for before the channel closes reaches the broker,
+    # in its order: a message meant to be dead-lettered must not come back, nor one acked run again.
     async with all_received(200) as got:
-        # Every message settled by a task cancelled as soon as it has asked: odd ones rejected.
-        tasks = [asyncio.ensure_future(got.settlements.reject(m, requeue=False) if i % 2 else got.settlements.ack(m))
-                 for i, m in enumerate(got.messages)]
-        await asyncio.sleep(0)  # each task has asked (its settlement is queued) and waits for the send
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        assert all(task.cancelled() for task in tasks), "the callers were not waiting when cancelled"
-        await asyncio.sleep(0.5)  # the sender goes on without them
-        assert not got.channel.is_closed
-        await got.channel.close()  # anything unsettled would go back to the queue
+        for i, message in enumerate(got.messages):  # odd ones rejected, the rest acked
+            if i % 2:
+                got.settlements.reject(message, requeue=False)
+            else:
+                got.settlements.ack(message)
+        await got.settlements.drained()
+        await got.channel.close()  # at once: anything not yet sent would go back to the queue
         assert await got.depths() == (0, 100)
+
+
+async def test_a_settlement_for_a_closed_channel_is_not_sent_and_the_broker_takes_the_message_back() -> None:
+    async with all_received(20) as got:
+        await got.channel.close()
+        for message in got.messages:
+            got.settlements.ack(message)  # logged, not raised: nothing can be sent on a closed channel
+        await got.settlements.drained()
+        assert await got.depths() == (20, 0)
