@@ -17,7 +17,7 @@ from consumer_kit import metrics, tracing
 from consumer_kit.coordinator.embedded import EmbeddedCoordinator
 from consumer_kit.coordinator.http import HttpCoordinator
 from consumer_kit.coordinator.protocol import Coordinator, SessionRequest
-from consumer_kit.delivery import Delivery, ReportsReadiness, Result, Source, StoreSource
+from consumer_kit.delivery import Decided, Delivery, ReportsReadiness, Result, Source, StoreSource
 from consumer_kit.errors import ConfigurationError, InvalidKey
 from consumer_kit.keys import OperationKey
 from consumer_kit.pipeline import Batch, Handler, HandlerSpec, Pipeline
@@ -316,28 +316,9 @@ class ConsumerApp:
             )
         return EmbeddedCoordinator(database, settings, clock=self.clock)
 
-    def _dispatcher(self, spec: HandlerSpec) -> Callable[[Delivery], Any]:
-        in_flight, drained, process = self._in_flight, self._drained, self.pipeline.process
-        assert drained is not None
-
-        async def dispatch(delivery: Delivery) -> Result:
-            # The delivery is processed in the caller's task (the source's per-message task, the
-            # request's task). A task of its own, shielded from the caller, would cost every delivery
-            # two more trips through the event loop (measured: a third of the pipeline's own CPU); and a
-            # delivery cancelled halfway is safe: its transaction rolls back, its lease is released and
-            # the source redelivers it. stop() cancels what outlasts the grace period the same way.
-            task = asyncio.current_task()
-            assert task is not None
-            in_flight.add(task)
-            drained.clear()
-            try:
-                return await process(spec, delivery)
-            finally:
-                in_flight.discard(task)
-                if not in_flight:
-                    drained.set()
-
-        return dispatch
+    def _dispatcher(self, spec: HandlerSpec) -> _Dispatch:
+        assert self._drained is not None
+        return _Dispatch(spec, self.pipeline, self._in_flight, self._drained)
 
     async def stop(self, grace: float | None = None) -> None:
         """Stop intake, drain in-flight deliveries for ``grace`` seconds, release the rest, close."""
@@ -356,9 +337,9 @@ class ConsumerApp:
                     task.cancel()  # the pipeline releases each lease on cancellation
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._drained.wait(), SETTLE_AFTER_CANCEL_SECONDS)
-        if self._pipeline is not None:
+        if self._pipeline is not None:  # the batches gathered and under way (their deliveries are no tasks)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._pipeline.close(), SETTLE_AFTER_CANCEL_SECONDS)
+                await asyncio.wait_for(self._pipeline.close(), max(grace, SETTLE_AFTER_CANCEL_SECONDS))
         for source in reversed(self._started):
             try:
                 await source.close()
@@ -448,3 +429,36 @@ class ConsumerApp:
         from consumer_kit.signals import run_app, stop_event
 
         await run_app(self, stop_event())
+
+
+class _Dispatch:
+    """What the app gives each source for its handler's deliveries (a
+    :class:`~consumer_kit.delivery.DispatchSoon`).
+
+    Awaited, a delivery is processed in the caller's task (the source's per-message task, the request's
+    task). A task of its own, shielded from the caller, would cost every delivery two more trips
+    through the event loop (measured: a third of the pipeline's own CPU); and a delivery cancelled
+    halfway is safe: its transaction rolls back, its lease is released and the source redelivers it.
+    stop() cancels what outlasts the grace period the same way. ``soon`` hands a batched handler's
+    delivery to its batch with no task at all; stop() waits for the batches."""
+
+    __slots__ = ("_drained", "_in_flight", "_pipeline", "spec")
+
+    def __init__(self, spec: HandlerSpec, pipeline: Pipeline, in_flight: set[asyncio.Task[Any]],
+                 drained: asyncio.Event) -> None:
+        self.spec, self._pipeline, self._in_flight, self._drained = spec, pipeline, in_flight, drained
+
+    async def __call__(self, delivery: Delivery) -> Result:
+        task = asyncio.current_task()
+        assert task is not None
+        self._in_flight.add(task)
+        self._drained.clear()
+        try:
+            return await self._pipeline.process(self.spec, delivery)
+        finally:
+            self._in_flight.discard(task)
+            if not self._in_flight:
+                self._drained.set()
+
+    def soon(self, delivery: Delivery, then: Decided) -> bool:
+        return self._pipeline.soon(self.spec, delivery, then)

@@ -119,6 +119,25 @@ class Result:
 Dispatch = Callable[[Delivery], Awaitable[Result]]
 """What a source calls for each delivery; it settles as the returned :class:`Result` says."""
 
+Decided = Callable[["Result | None"], None]
+"""Told a delivery's :class:`Result` once it is known; ``None``: nothing was decided (the delivery was
+cancelled, say by a shutdown), so the source leaves it unsettled and its broker delivers it again."""
+
+
+@runtime_checkable
+class DispatchSoon(Protocol):
+    """A :data:`Dispatch` that can also take a delivery without the caller waiting for it.
+
+    ``soon(delivery, then)`` hands the delivery over and returns True when its path needs no coroutine
+    of its own (a batched handler's delivery waits for its batch, which runs in a task of its own):
+    ``then`` is called with its result, from the batch's task. It returns False, having done nothing,
+    when the delivery must be dispatched the usual way. A source that receives many deliveries from a
+    broker saves a task, a future and a chain of coroutines a delivery by asking first."""
+
+    def __call__(self, delivery: Delivery) -> Awaitable[Result]: ...
+
+    def soon(self, delivery: Delivery, then: Decided) -> bool: ...
+
 KeyMapper = Callable[[Delivery], "str | None"]
 """Picks the stable id out of a delivery (``None`` when there is none); never a hash of the payload."""
 

@@ -41,11 +41,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import socket
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
 from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
@@ -66,7 +67,17 @@ except ModuleNotFoundError as exc:  # pragma: no cover - exercised only without 
 
     raise missing_extra("rabbitmq", "sources.rabbitmq", exc) from exc
 
-from consumer_kit.delivery import Delivery, Dispatch, KeyMapper, RefusedReplay, Replayed, Result, Settlement
+from consumer_kit.delivery import (
+    Decided,
+    Delivery,
+    Dispatch,
+    DispatchSoon,
+    KeyMapper,
+    RefusedReplay,
+    Replayed,
+    Result,
+    Settlement,
+)
 from consumer_kit.errors import ConfigurationError
 from consumer_kit.keys import KeyDigester
 from consumer_kit.replay import REPLAY_HEADER, Send, unseal
@@ -185,6 +196,7 @@ class RabbitMQSource(EnvelopedSource):
         self._queue: AbstractQueue | None = None
         self._consumer_tag: str | None = None
         self._dispatch: Dispatch | None = None
+        self._soon: Callable[[Delivery, Decided], bool] | None = None
         self._in_flight: set[asyncio.Task[Any]] = set()
         self._settlements = _Settlements()
         self._replays: KeyDigester | None = None  # verifies the replay header of a requeued parked message
@@ -198,6 +210,7 @@ class RabbitMQSource(EnvelopedSource):
         begin consuming."""
         url = settings.require_rabbitmq_url(self.url)
         self._dispatch = dispatch
+        self._soon = dispatch.soon if isinstance(dispatch, DispatchSoon) else None
         self._replays = settings.digester()
         try:
             self._connection = await aio_pika.connect_robust(
@@ -246,22 +259,54 @@ class RabbitMQSource(EnvelopedSource):
 
     async def _on_message(self, message: AbstractIncomingMessage) -> None:
         self._settlements.received(message)
+        if self._soon is not None:
+            try:
+                delivery = self._delivery(message)
+            except Exception:
+                delivery = None  # the task below meets the same error and says what it was
+            if delivery is not None and self._soon(delivery, functools.partial(self._decided, message, delivery)):
+                return  # a batched handler's: its batch runs in a task of its own, and tells _decided
         # A channel that closes (a broker restart, a connection cut) cancels the callbacks it is
         # running. This one only starts the delivery in a task of its own and returns; nothing awaits
         # that task, so nothing cancels it with the callback: the delivery finishes and commits, its
         # ack is lost with the channel, and the redelivery is acknowledged as a duplicate, which is
         # cheaper and safer than rolling finished work back. stop() still cancels it past the grace.
-        task = asyncio.ensure_future(self._deliver(message))
+        self._track(self._deliver(message))
+
+    def _delivery(self, message: AbstractIncomingMessage) -> Delivery:
+        delivery = to_delivery(message, self._replays)
+        if self.envelope == "cloudevents" and not isinstance(delivery, Replayed | RefusedReplay):
+            delivery = replace(amqp_cloudevent(delivery, message.content_type), sent_at=delivery.sent_at)
+        return delivery
+
+    def _track(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.ensure_future(work)
         self._in_flight.add(task)
         task.add_done_callback(self._in_flight.discard)
+
+    def _decided(self, message: AbstractIncomingMessage, delivery: Delivery, result: Result | None) -> None:
+        if result is None:
+            return  # nothing decided (the app is stopping): unsettled, the broker delivers it again
+        if result.settlement is Settlement.ACK:
+            self._settlements.ack(message)
+        else:  # a copy to publish, or a pause before a requeue: not in the batch's task
+            self._track(self._settled(message, delivery, result))
 
     async def _deliver(self, message: AbstractIncomingMessage) -> None:
         assert self._dispatch is not None
         try:
-            delivery = to_delivery(message, self._replays)
-            if self.envelope == "cloudevents" and not isinstance(delivery, Replayed | RefusedReplay):
-                delivery = replace(amqp_cloudevent(delivery, message.content_type), sent_at=delivery.sent_at)
+            delivery = self._delivery(message)
             result = await self._dispatch(delivery)
+        except asyncio.CancelledError:
+            raise  # unsettled: the broker redelivers when the channel closes
+        except Exception as exc:
+            log.warning("%s: delivery not processed (%s); the broker will redeliver it", self.name,
+                        type(exc).__name__)
+            return
+        await self._settled(message, delivery, result)
+
+    async def _settled(self, message: AbstractIncomingMessage, delivery: Delivery, result: Result) -> None:
+        try:
             await self._settle(message, delivery, result)
         except asyncio.CancelledError:
             raise  # unsettled: the broker redelivers when the channel closes
@@ -369,7 +414,7 @@ class RabbitMQSource(EnvelopedSource):
             with contextlib.suppress(Exception):
                 await connection.close()
         self._channel = self._queue = None
-        self._dispatch = None
+        self._dispatch = self._soon = None
 
 
 class _Settlements:

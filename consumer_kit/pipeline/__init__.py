@@ -34,7 +34,7 @@ import httpx
 
 from consumer_kit import metrics
 from consumer_kit.coordinator.protocol import Coordinator, SessionsInTransaction
-from consumer_kit.delivery import Delivery, Outcome, RefusedReplay, Result, Settlement
+from consumer_kit.delivery import Decided, Delivery, Outcome, RefusedReplay, Result, Settlement
 from consumer_kit.errors import ConfigurationError, InvalidKey, InvalidReplay, MissingStableId
 from consumer_kit.keys import KeyDigester, short
 from consumer_kit.pipeline.batch import Batch, BatchedPath
@@ -101,10 +101,7 @@ class Pipeline:
 
     async def process(self, spec: HandlerSpec, delivery: Delivery) -> Result:
         """Decide one delivery's fate; never raises except on cancellation."""
-        source = spec.source.name
-        counters = self._metrics.get(source)
-        if counters is None:
-            counters = self._metrics[source] = metrics.SourceMetrics(source)
+        counters = self._counters(spec)
         counters.in_flight += 1
         started = asyncio.get_running_loop().time()
         trace = self.tracer.delivery(spec, delivery) if self.tracer is not None else None
@@ -116,14 +113,7 @@ class Pipeline:
                 trace.end(None, exc)
             raise
         except Exception as exc:  # the store failed: nothing was decided, so try the delivery again
-            schema = missing_schema(exc)
-            if schema is not None:  # consumer-kit's own tables are gone: no delivery can get past that
-                self.stores.fatal(schema)
-            else:
-                log.error("delivery failed before settlement (%s); retrying later", describe(exc, None),
-                          extra={"source": source})
-            result = Result(Outcome.RETRY, Settlement.RETRY_LATER, "store_error" if schema is None else
-                            "schema_missing", delay=self.settings.retry_later_seconds)
+            result = self._store_failed(spec, exc)
             if trace is not None:
                 trace.end(result, exc)
                 trace = None
@@ -131,10 +121,73 @@ class Pipeline:
             counters.in_flight -= 1
         if trace is not None:
             trace.end(result)
+        self._count(counters, started, result)
+        return result
+
+    def soon(self, spec: HandlerSpec, delivery: Delivery, then: Decided) -> bool:
+        """Hand a batched handler's delivery to its batch without a coroutine of its own; ``then`` is
+        told its result from the batch's task (see :class:`~consumer_kit.delivery.DispatchSoon`).
+        False, having done nothing, for every delivery that needs :meth:`process`: not batched, a key
+        that failed in a batch before, traced, unkeyable, refused, or possibly late."""
+        if spec.batch is None or self.tracer is not None or isinstance(delivery, RefusedReplay):
+            return False
+        age = None if delivery.sent_at is None else (delivery.received_at - delivery.sent_at).total_seconds()
+        if age is not None and age > self.settings.inbox_retention_seconds:
+            return False  # late: process() decides what to do with it
+        try:
+            key = spec.source.key(delivery)
+        except (MissingStableId, InvalidKey):
+            return False  # parked by process(), which keys it again
+        work = Work(spec, delivery, key, self.digester.candidates(key), delivery.fingerprint())
+        if not self.batched.takes(work):
+            return False
+        counters = self._counters(spec)
+        if age is not None:
+            counters.age.observe(max(0.0, age))
+        counters.in_flight += 1
+        started = asyncio.get_running_loop().time()
+
+        def decided(outcome: Result | BaseException) -> None:
+            counters.in_flight -= 1
+            if isinstance(outcome, Result):
+                result: Result | None = outcome
+            elif isinstance(outcome, Exception):
+                result = self._store_failed(spec, outcome)
+            else:  # the batch was cancelled (the loop is closing): nothing was decided
+                counters.delivered("cancelled")
+                result = None
+            if result is not None:
+                self._count(counters, started, result)
+            try:
+                then(result)
+            except Exception:  # the source's own failure must not stop the batch telling the others
+                log.exception("settling a delivery failed", extra={"source": spec.source.name})
+
+        self.batched.add(work, decided)
+        return True
+
+    def _counters(self, spec: HandlerSpec) -> metrics.SourceMetrics:
+        source = spec.source.name
+        counters = self._metrics.get(source)
+        if counters is None:
+            counters = self._metrics[source] = metrics.SourceMetrics(source)
+        return counters
+
+    def _count(self, counters: metrics.SourceMetrics, started: float, result: Result) -> None:
         if result.outcome is Outcome.PROCESSED:
             counters.handler_seconds.observe(asyncio.get_running_loop().time() - started)
         counters.delivered(result.outcome.value)
-        return result
+
+    def _store_failed(self, spec: HandlerSpec, exc: Exception) -> Result:
+        """The result of a delivery the store failed under: nothing was decided, so try it again."""
+        schema = missing_schema(exc)
+        if schema is not None:  # consumer-kit's own tables are gone: no delivery can get past that
+            self.stores.fatal(schema)
+        else:
+            log.error("delivery failed before settlement (%s); retrying later", describe(exc, None),
+                      extra={"source": spec.source.name})
+        return Result(Outcome.RETRY, Settlement.RETRY_LATER, "store_error" if schema is None else
+                      "schema_missing", delay=self.settings.retry_later_seconds)
 
     async def _process(self, spec: HandlerSpec, delivery: Delivery, trace: DeliveryTrace | None) -> Result:
         try:

@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -69,6 +70,19 @@ class Batch:
             raise ValueError("Batch.max_concurrent must be at least 1")
 
 
+Told = Callable[[Result | BaseException], None]
+"""Told a batched delivery's result, or the exception that failed its batch (a cancellation included)."""
+
+
+def _tell(future: asyncio.Future[Result], outcome: Result | BaseException) -> None:
+    if future.done():  # its caller was cancelled: the result is dropped, the delivery comes again
+        return
+    if isinstance(outcome, Result):
+        future.set_result(outcome)
+    else:
+        future.set_exception(outcome if isinstance(outcome, Exception) else asyncio.CancelledError())
+
+
 class _HandlerFailed(Exception):
     def __init__(self, work: Work) -> None:
         self.work = work
@@ -81,7 +95,9 @@ class BatchedPath:
         self.stores = stores
         self.fate = fate
         self.single = single
-        self._waiting: dict[str, list[tuple[Work, asyncio.Future[Result]]]] = {}
+        # Per handler, the deliveries gathering for its next batch, each with whom to tell its result
+        # (or the exception that failed the batch): a future's setter, or Pipeline.soon's callback.
+        self._waiting: dict[str, list[tuple[Work, Told]]] = {}
         self._timers: dict[str, asyncio.TimerHandle] = {}
         self._active: collections.Counter[str] = collections.Counter()  # batches running, per handler
         self._running: set[asyncio.Task[None]] = set()
@@ -91,26 +107,34 @@ class BatchedPath:
         # Keys that failed inside a batch (bounded: the oldest are forgotten first).
         self._failed: collections.OrderedDict[str, None] = collections.OrderedDict()
 
+    def takes(self, work: Work) -> bool:
+        """Whether ``work`` joins a batch (a key that failed in one before takes the single path)."""
+        return work.digests[0] not in self._failed
+
     async def run(self, work: Work) -> Result:
         """Wait for this delivery's batch and return its settlement."""
-        spec = work.spec
-        if work.digests[0] in self._failed:
+        if not self.takes(work):
             return await self.single.run(work)
-        batch = spec.batch
-        assert batch is not None
         future: asyncio.Future[Result] = asyncio.get_running_loop().create_future()
-        waiting = self._waiting.setdefault(spec.consumer, [])
-        waiting.append((work, future))
-        if len(waiting) >= batch.max_size:
-            self._flush(spec.consumer)
-        elif spec.consumer not in self._timers and self._active[spec.consumer] < self._concurrent(batch):
-            self._timers[spec.consumer] = asyncio.get_running_loop().call_later(
-                batch.max_wait_ms / 1000, self._flush, spec.consumer)
+        self.add(work, functools.partial(_tell, future))
         # A caller that is cancelled (its channel closed) cancels only this future, never the batch,
         # which runs in a task of its own and finishes (its result for a cancelled future is dropped);
         # the delivery is then redelivered and found done. (No shield: it would cost every delivery a
         # second future and two more callbacks.)
         return await future
+
+    def add(self, work: Work, told: Told) -> None:
+        """Put ``work`` in its handler's next batch; ``told`` gets its result, or what failed the batch."""
+        spec = work.spec
+        batch = spec.batch
+        assert batch is not None
+        waiting = self._waiting.setdefault(spec.consumer, [])
+        waiting.append((work, told))
+        if len(waiting) >= batch.max_size:
+            self._flush(spec.consumer)
+        elif spec.consumer not in self._timers and self._active[spec.consumer] < self._concurrent(batch):
+            self._timers[spec.consumer] = asyncio.get_running_loop().call_later(
+                batch.max_wait_ms / 1000, self._flush, spec.consumer)
 
     def _flush(self, consumer: str) -> None:
         """Start a batch of what is waiting, unless as many as allowed are running: then the next one
@@ -153,21 +177,18 @@ class BatchedPath:
                 await asyncio.gather(*self._running, return_exceptions=True)
             await asyncio.sleep(0)  # the batches' done callbacks start what waited for them
 
-    async def _settle(self, items: list[tuple[Work, asyncio.Future[Result]]]) -> None:
-        futures = {id(work): future for work, future in items}
+    async def _settle(self, items: list[tuple[Work, Told]]) -> None:
+        told = {id(work): tell for work, tell in items}
         tracer = self.stores.tracer
         # Traced: the batch's span is current in its task (which was started from some delivery's).
         trace = tracer.batch(work for work, _ in items) if tracer is not None else None
         try:
             with NO_SPAN if trace is None else trace:
                 async for work, result in self._batch([work for work, _ in items], trace):
-                    future = futures.pop(id(work))
-                    if not future.done():
-                        future.set_result(result)
+                    told.pop(id(work))(result)
         except BaseException as exc:
-            for future in futures.values():
-                if not future.done():
-                    future.set_exception(exc if isinstance(exc, Exception) else asyncio.CancelledError())
+            for tell in told.values():
+                tell(exc)
             if not isinstance(exc, Exception):
                 raise
 

@@ -3,19 +3,61 @@
 from __future__ import annotations
 
 import asyncio
+from datetime import UTC, datetime, timedelta
 
 import pytest
+from opentelemetry import trace
 from prometheus_client import REGISTRY
 from sqlalchemy import text
 
-from consumer_kit import Batch, ConfigurationError, ConsumerApp, Context, Outcome, TerminalError
+from consumer_kit import Batch, ConfigurationError, ConsumerApp, Context, Outcome, Result, TerminalError
+from consumer_kit.delivery import Delivery, DispatchSoon
 from consumer_kit.testing import InMemorySource
 from tests.conftest import make_settings
 
 
-def build(url: str, *, max_size: int = 16, **overrides: object) -> tuple[ConsumerApp, InMemorySource, list[str]]:
-    app = ConsumerApp(make_settings(url, retry_attempts=2, **overrides))
-    source = InMemorySource(namespace="batched", version=1)
+class SoonSource(InMemorySource):
+    """Hands deliveries over as the RabbitMQ source does: with ``dispatch.soon`` (no task, no awaited
+    chain: the batch tells the result) whenever the dispatch takes them that way, else awaited."""
+
+    def __init__(self, **kwargs: object) -> None:
+        super().__init__(**kwargs)  # type: ignore[arg-type]
+        self.taken = 0  # deliveries ``soon`` took
+
+    async def deliver_delivery(self, delivery: Delivery) -> Result:
+        dispatch = self._dispatch
+        if isinstance(dispatch, DispatchSoon):
+            told: asyncio.Future[Result | None] = asyncio.get_running_loop().create_future()
+            if dispatch.soon(delivery, told.set_result):
+                self.taken += 1
+                result = await told
+                assert result is not None, "nothing was decided"
+                self.settled.append((delivery, result))
+                return result
+        return await super().deliver_delivery(delivery)
+
+
+HANDED = pytest.mark.parametrize("handed", ["awaited", "soon"])
+"""Every batch test runs with the delivery's caller awaiting it and with ``soon`` (what RabbitMQ does)."""
+
+UNTRACED = trace.NoOpTracerProvider()
+"""``soon`` hands over only untraced deliveries (a traced one's span is current in its own task): the
+suite traces every app, so the ``soon`` variants turn tracing off."""
+
+
+def app_for(handed: str, url: str, **overrides: object) -> ConsumerApp:
+    return ConsumerApp(make_settings(url, **overrides), tracer_provider=UNTRACED if handed == "soon" else None)
+
+
+def source_for(handed: str, namespace: str) -> InMemorySource:
+    return SoonSource(namespace=namespace, version=1) if handed == "soon" else InMemorySource(
+        namespace=namespace, version=1)
+
+
+def build(url: str, *, max_size: int = 16, handed: str = "awaited",
+          **overrides: object) -> tuple[ConsumerApp, InMemorySource, list[str]]:
+    app = app_for(handed, url, retry_attempts=2, **overrides)
+    source = source_for(handed, "batched")
     runs: list[str] = []
     flaked: set[str] = set()
 
@@ -50,8 +92,9 @@ def batch_count() -> float:
     return REGISTRY.get_sample_value("consumer_kit_batch_size_count") or 0.0
 
 
-async def test_poison_and_flaky_deliveries_do_not_fail_their_batch(database_url: str) -> None:
-    app, source, runs = build(database_url)
+@HANDED
+async def test_poison_and_flaky_deliveries_do_not_fail_their_batch(database_url: str, handed: str) -> None:
+    app, source, runs = build(database_url, handed=handed)
     tickets = [f"good-{i}" for i in range(90)] + ["poison-1", "poison-2"] + [f"flaky-{i}" for i in range(3)]
     batches = batch_count()
     async with app.running():
@@ -70,13 +113,16 @@ async def test_poison_and_flaky_deliveries_do_not_fail_their_batch(database_url:
     assert outbox == len(seen)  # outbox rows commit with their effect, none for the poison
     assert all(r.outcome is Outcome.DUPLICATE for r in again)
     assert batch_count() - batches < len(tickets) / 2  # they really were batched
+    if handed == "soon":  # every delivery was handed over without a caller's coroutine
+        assert isinstance(source, SoonSource) and source.taken == len(tickets) + len(again)
     # A good delivery ran again only when a failing neighbour rolled its batch back: at most once more
     # per failing delivery in its batch, never redelivered.
     assert max(runs.count(t) for t in tickets if t.startswith("good")) <= 1 + 5
 
 
-async def test_a_key_twice_in_one_batch_runs_once(database_url: str) -> None:
-    app, source, runs = build(database_url)
+@HANDED
+async def test_a_key_twice_in_one_batch_runs_once(database_url: str, handed: str) -> None:
+    app, source, runs = build(database_url, handed=handed)
     async with app.running():
         await prepare(app)
         results = await asyncio.gather(*(source.deliver(id="m-same", body="same") for _ in range(5)))
@@ -86,11 +132,12 @@ async def test_a_key_twice_in_one_batch_runs_once(database_url: str) -> None:
 
 
 @pytest.mark.postgres
-async def test_a_commit_that_fails_as_a_whole_is_halved_down_to_the_culprit(pg_database: str) -> None:
+@HANDED
+async def test_a_commit_that_fails_as_a_whole_is_halved_down_to_the_culprit(pg_database: str, handed: str) -> None:
     """Two deliveries of a batch break a deferred constraint together: only the commit fails, so the
     batch is halved until each stands alone; all the others commit, and one of the pair too."""
-    app = ConsumerApp(make_settings(pg_database, retry_attempts=1, max_deliveries=1))
-    source = InMemorySource(namespace="deferred", version=1)
+    app = app_for(handed, pg_database, retry_attempts=1, max_deliveries=1)
+    source = source_for(handed, "deferred")
 
     @app.handler(source, name="deferred", single_transaction=True, batch=Batch(max_size=8, max_wait_ms=50))
     async def handle(ctx: Context) -> None:
@@ -115,10 +162,11 @@ async def test_a_commit_that_fails_as_a_whole_is_halved_down_to_the_culprit(pg_d
     assert (REGISTRY.get_sample_value("consumer_kit_batch_bisections_total") or 0.0) > bisections
 
 
-async def test_arrivals_gather_while_the_allowed_batches_run(database_url: str) -> None:
+@HANDED
+async def test_arrivals_gather_while_the_allowed_batches_run(database_url: str, handed: str) -> None:
     """With one batch at a time, what arrives while it runs waits for it and goes in full batches."""
-    app = ConsumerApp(make_settings(database_url))
-    source = InMemorySource(namespace="gathered", version=1)
+    app = app_for(handed, database_url)
+    source = source_for(handed, "gathered")
     running = peak = 0
 
     @app.handler(source, name="gathered", single_transaction=True,
@@ -168,6 +216,77 @@ async def test_callers_cancelled_while_their_batch_runs_leave_it_to_commit(datab
         assert [r.outcome for r in again] == [Outcome.DUPLICATE] * len(tickets)
         assert await effects(app) == {t: 1 for t in tickets}
     assert sorted(runs) == sorted(tickets)
+
+
+async def test_soon_leaves_to_the_awaited_path_what_it_cannot_take(database_url: str) -> None:
+    """``soon`` takes only a batched handler's keyable, timely deliveries of keys that never failed in a
+    batch; everything else is refused untouched and goes the awaited way, which parks, runs alone or
+    retries it as before."""
+    app = app_for("soon", database_url, retry_attempts=1, max_deliveries=1)
+    batched, single = SoonSource(namespace="soon", version=1), SoonSource(namespace="plain", version=1)
+
+    @app.handler(batched, name="soon-batched", single_transaction=True, batch=Batch(max_size=8, max_wait_ms=5))
+    async def handle(ctx: Context) -> None:
+        if ctx.delivery.text() == "poison":
+            raise TerminalError("never works", reason="poison")
+
+    @app.handler(single, name="soon-single", single_transaction=True)
+    async def handle_single(ctx: Context) -> None:
+        return None
+
+    async with app.running():
+        assert (await single.deliver(id="p-1", body="x")).outcome is Outcome.PROCESSED
+        assert single.taken == 0  # not batched
+
+        assert (await batched.deliver(id=None, body="x")).outcome is Outcome.INVALID  # unkeyable: parked
+        assert batched.taken == 0
+        old = Delivery(id="late-1", body=b"x", sent_at=datetime.now(UTC) - timedelta(days=30))
+        assert (await batched.deliver_delivery(old)).outcome is Outcome.DEAD_LETTERED  # late: parked
+        assert batched.taken == 0
+
+        assert (await batched.deliver(id="b-1", body="poison")).outcome is Outcome.DEAD_LETTERED
+        assert batched.taken == 1  # taken, failed in its batch, then ran alone and was parked
+        again = await batched.deliver(id="b-1", body="poison", attempt=2)
+        assert (again.outcome, again.reason) == (Outcome.DUPLICATE, "already_dead_lettered")
+        assert batched.taken == 1  # its key failed in a batch: the single-delivery path, awaited
+        assert (await batched.deliver(id="b-2", body="fine")).outcome is Outcome.PROCESSED
+        assert batched.taken == 2
+
+    traced = ConsumerApp(make_settings(database_url))  # the suite's tracer: every delivery has a span
+    source = SoonSource(namespace="soon-traced", version=1)
+    traced.handler(source, name="soon-traced", single_transaction=True, batch=Batch(max_size=8, max_wait_ms=5))(handle)
+    async with traced.running():
+        assert (await source.deliver(id="t-1", body="fine")).outcome is Outcome.PROCESSED
+        assert source.taken == 0  # traced: its span is current in a task of its own
+
+
+async def test_stop_finishes_the_batches_soon_handed_over(database_url: str) -> None:
+    """Deliveries handed over with ``soon`` are no tasks the shutdown could wait for: it runs what is
+    gathered and waits for the batches, and every delivery is told its result."""
+    app = app_for("soon", database_url)
+    source = SoonSource(namespace="stopping", version=1)
+
+    @app.handler(source, name="stopping", single_transaction=True, batch=Batch(max_size=64, max_wait_ms=60_000))
+    async def handle(ctx: Context) -> None:
+        await ctx.db.execute(text("INSERT INTO batch_effects (ticket) VALUES (:t)"), {"t": ctx.delivery.text()})
+
+    told: list[Result | None] = []
+    await app.start()
+    try:
+        await prepare(app)
+        dispatch = source._dispatch
+        assert isinstance(dispatch, DispatchSoon)
+        for i in range(5):  # gathering: the batch would wait a minute for more
+            assert dispatch.soon(Delivery(id=f"s-{i}", body=f"s-{i}".encode()), told.append)
+        await asyncio.sleep(0.05)
+        assert told == []
+        seen_before_stop = await effects(app)
+    finally:
+        await app.stop(grace=10)
+    assert seen_before_stop == {}
+    assert [r.outcome if r is not None else None for r in told] == [Outcome.PROCESSED] * 5
+    async with ConsumerApp(make_settings(database_url)).running() as again:
+        assert await effects(again) == {f"s-{i}": 1 for i in range(5)}
 
 
 def test_a_batch_needs_a_single_transaction_handler() -> None:

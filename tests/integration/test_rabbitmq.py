@@ -189,17 +189,23 @@ async def test_passive_check_reports_missing_queues(queue: str, sqlite_url: str)
         await app.start()
 
 
-@pytest.mark.parametrize("single", [False, True], ids=["two-txn", "one-txn"])
-async def test_a_connection_cut_lets_running_deliveries_finish(pg: str, queue: str, single: bool) -> None:
+@pytest.mark.parametrize("path", ["two-txn", "one-txn", "batch"])
+async def test_a_connection_cut_lets_running_deliveries_finish(pg: str, queue: str, path: str) -> None:
     """The broker closes the connection while a handler runs: the delivery is not cancelled, it
-    commits; its ack went with the channel, so the redelivery is acknowledged as a duplicate."""
-    app = ConsumerApp(make_settings(pg))
+    commits; its ack went with the channel, so the redelivery is acknowledged as a duplicate. (Batched
+    and untraced, the source hands deliveries over with ``soon``: the batch's own task runs them.)"""
+    from opentelemetry import trace
+
+    from consumer_kit import Batch
+
+    app = ConsumerApp(make_settings(pg), tracer_provider=trace.NoOpTracerProvider() if path == "batch" else None)
     source = RabbitMQSource(queue=queue, namespace="orders", version=1, url=AMQP_URL, name=f"{queue}-cut",
                             retry_delays=(0.2,), prefetch=4)
     entered, release = asyncio.Event(), asyncio.Event()
     runs: list[str] = []
 
-    @app.handler(source, name="rabbit-cut", single_transaction=single)
+    @app.handler(source, name="rabbit-cut", single_transaction=path != "two-txn",
+                 batch=Batch(max_size=4, max_wait_ms=5) if path == "batch" else None)
     async def handle(ctx: Context) -> None:
         runs.append(ctx.delivery.text())
         entered.set()
@@ -222,10 +228,14 @@ async def test_a_connection_cut_lets_running_deliveries_finish(pg: str, queue: s
 
 async def test_batches_of_64_isolate_poison_and_flaky_messages(pg: str, queue: str) -> None:
     """10,000 messages in batches of 64, 1% poison (TerminalError) and 1% flaky (fails once): every
-    good message's effect once, every poison one parked with its reason, and no other redelivered."""
+    good message's effect once, every poison one parked with its reason, and no other redelivered.
+    Untraced, as a worker without an OpenTelemetry SDK runs: the source hands deliveries to their
+    batches with ``soon``, the path such a worker takes."""
+    from opentelemetry import trace
+
     from consumer_kit import Batch, TerminalError
 
-    app = ConsumerApp(make_settings(pg, db_pool_size=4))
+    app = ConsumerApp(make_settings(pg, db_pool_size=4), tracer_provider=trace.NoOpTracerProvider())
     source = RabbitMQSource(queue=queue, namespace="orders", version=1, url=AMQP_URL, name=f"{queue}-batch",
                             retry_delays=(0.2,), prefetch=256)
     redelivered: list[str] = []
