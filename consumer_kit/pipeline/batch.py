@@ -28,7 +28,7 @@ import asyncio
 import collections
 import functools
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -81,6 +81,9 @@ def _tell(future: asyncio.Future[Result], outcome: Result | BaseException) -> No
         future.set_result(outcome)
     else:
         future.set_exception(outcome if isinstance(outcome, Exception) else asyncio.CancelledError())
+
+
+_Tell = Callable[[Work, Result], None]
 
 
 class _HandlerFailed(Exception):
@@ -182,18 +185,21 @@ class BatchedPath:
         tracer = self.stores.tracer
         # Traced: the batch's span is current in its task (which was started from some delivery's).
         trace = tracer.batch(work for work, _ in items) if tracer is not None else None
+
+        def tell(work: Work, result: Result) -> None:
+            told.pop(id(work))(result)
+
         try:
             with NO_SPAN if trace is None else trace:
-                async for work, result in self._batch([work for work, _ in items], trace):
-                    told.pop(id(work))(result)
+                await self._batch([work for work, _ in items], trace, tell)
         except BaseException as exc:
-            for tell in told.values():
-                tell(exc)
+            for each in told.values():
+                each(exc)
             if not isinstance(exc, Exception):
                 raise
 
-    async def _batch(self, works: list[Work], trace: BatchTrace | None) -> AsyncIterator[tuple[Work, Result]]:
-        """Yield ``(work, result)`` for every delivery of a batch, once its fate is known."""
+    async def _batch(self, works: list[Work], trace: BatchTrace | None, tell: _Tell) -> None:
+        """Tell ``(work, result)`` for every delivery of a batch, as soon as its fate is known."""
         first: dict[str, Work] = {}
         twins: list[Work] = []
         for work in works:  # one run per key; its twins wait for the batch
@@ -203,19 +209,13 @@ class BatchedPath:
                 first[work.digests[0]] = work
         metrics.BATCH_SIZE.observe(len(first))
         after: list[Work] = []
-        async for item in self._transactions(list(first.values()), after, trace):
-            yield item
-        for work in after + twins:  # out of the batch: the single-delivery path, one by one
-            yield work, await self.single.run(work)
-
-    async def _transactions(self, works: list[Work], after: list[Work],
-                            trace: BatchTrace | None) -> AsyncIterator[tuple[Work, Result]]:
         async with self.stores.database.connect(session=works[0].spec.uses_db) as ex:
-            async for item in self._on(ex, works, after, trace):
-                yield item
+            await self._on(ex, list(first.values()), after, trace, tell)
+        for work in after + twins:  # out of the batch: the single-delivery path, one by one
+            tell(work, await self.single.run(work))
 
-    async def _on(self, ex: Executor, works: list[Work], after: list[Work],
-                  trace: BatchTrace | None) -> AsyncIterator[tuple[Work, Result]]:
+    async def _on(self, ex: Executor, works: list[Work], after: list[Work], trace: BatchTrace | None,
+                  tell: _Tell) -> None:
         """The batch's transactions on ``ex``, halves included: one connection a batch, however often
         it is halved (a connection a half, held while the halves ran, could empty the pool)."""
         remaining = works
@@ -239,18 +239,17 @@ class BatchedPath:
                 metrics.BATCH_BISECTIONS.inc()
                 half = len(remaining) // 2
                 for part in (remaining[:half], remaining[half:]):
-                    async for item in self._on(ex, part, after, trace):
-                        yield item
+                    await self._on(ex, part, after, trace, tell)
                 return
             for work in ran:
                 work.log(logging.DEBUG, "delivery processed in a batch")
-                yield work, Result(Outcome.PROCESSED, Settlement.ACK, key_digest=work.digest)
+                tell(work, Result(Outcome.PROCESSED, Settlement.ACK, key_digest=work.digest))
             for work, claim in settled:
                 if claim.status is ClaimStatus.ACQUIRED:  # failed before: not in a batch
                     self._remember(work)
                     after.append(work)
                 else:
-                    yield work, await self.fate.not_acquired(work, claim, ex)
+                    tell(work, await self.fate.not_acquired(work, claim, ex))
             return
 
     async def _attempt(self, ex: Executor, works: list[Work],
@@ -279,7 +278,7 @@ class BatchedPath:
                     except Exception as exc:
                         work.log(logging.INFO, f"handler failed in a batch ({type(exc).__name__}); it runs alone")
                         raise _HandlerFailed(work) from exc
-                if staged:  # a failure here fails the batch as a whole: it is halved (_transactions)
+                if staged:  # a failure here fails the batch as a whole: it is halved (_on)
                     await staged.write(ex)
                 committing()
         return ran, settled
