@@ -160,8 +160,8 @@ class Pipeline:
                 self._count(counters, started, result)
             try:
                 then(result)
-            except Exception:  # the source's own failure must not stop the batch telling the others
-                log.exception("settling a delivery failed", extra={"source": spec.source.name})
+            except Exception as exc:  # the source's own failure must not stop the batch telling the others
+                log.error("settling a delivery failed (%s)", describe(exc, key), extra={"source": spec.source.name})
 
         self.batched.add(work, decided)
         return True

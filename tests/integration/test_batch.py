@@ -218,6 +218,29 @@ async def test_callers_cancelled_while_their_batch_runs_leave_it_to_commit(datab
     assert sorted(runs) == sorted(tickets)
 
 
+@HANDED
+async def test_a_batch_the_store_fails_under_retries_its_deliveries_later(database_url: str, handed: str) -> None:
+    """No connection for the batch: nothing was decided, so every delivery of it comes back
+    RETRY_LATER ("store_error"), whichever way it was handed over, and nothing ran."""
+    app, source, runs = build(database_url, handed=handed)
+    async with app.running():
+        database = app.pipeline.stores.database
+        real = database.connect
+
+        def refused(**kwargs: object) -> object:
+            raise OSError("the database went away")
+
+        database.connect = refused  # type: ignore[method-assign]
+        try:
+            results = await asyncio.gather(*(source.deliver(id=f"m-{i}", body=f"good-{i}") for i in range(5)))
+        finally:
+            database.connect = real  # type: ignore[method-assign]
+    assert [(r.outcome, r.reason) for r in results] == [(Outcome.RETRY, "store_error")] * 5
+    assert runs == []
+    if handed == "soon":
+        assert isinstance(source, SoonSource) and source.taken == 5
+
+
 async def test_soon_leaves_to_the_awaited_path_what_it_cannot_take(database_url: str) -> None:
     """``soon`` takes only a batched handler's keyable, timely deliveries of keys that never failed in a
     batch; everything else is refused untouched and goes the awaited way, which parks, runs alone or
