@@ -574,50 +574,24 @@ class _Received:
     """A delivery as aiormq hands it over, read the way aio-pika's ``IncomingMessage`` reads it (AMQP's
     ``type`` property is pamqp's ``message_type``), for the fields the source uses, and no more."""
 
-    __slots__ = ("body", "channel", "delivery_tag", "properties", "redelivered")
+    __slots__ = ("app_id", "body", "channel", "content_encoding", "content_type", "correlation_id",
+                 "delivery_tag", "headers", "message_id", "priority", "redelivered", "timestamp", "type")
 
     def __init__(self, delivered: DeliveredMessage) -> None:
         self.body: bytes = delivered.body
         self.channel: Any = delivered.channel  # aiormq's
         self.delivery_tag: int | None = delivered.delivery_tag
-        self.redelivered: bool = bool(delivered.redelivered)
-        self.properties: Any = delivered.header.properties
-
-    @property
-    def headers(self) -> dict[str, Any]:
-        return self.properties.headers or {}
-
-    @property
-    def message_id(self) -> str | None:
-        return self.properties.message_id  # type: ignore[no-any-return]
-
-    @property
-    def type(self) -> str | None:
-        return self.properties.message_type  # type: ignore[no-any-return]
-
-    @property
-    def timestamp(self) -> datetime | None:
-        return self.properties.timestamp  # type: ignore[no-any-return]
-
-    @property
-    def content_type(self) -> str | None:
-        return self.properties.content_type  # type: ignore[no-any-return]
-
-    @property
-    def content_encoding(self) -> str | None:
-        return self.properties.content_encoding  # type: ignore[no-any-return]
-
-    @property
-    def correlation_id(self) -> str | None:
-        return self.properties.correlation_id  # type: ignore[no-any-return]
-
-    @property
-    def app_id(self) -> str | None:
-        return self.properties.app_id  # type: ignore[no-any-return]
-
-    @property
-    def priority(self) -> int | None:
-        return self.properties.priority  # type: ignore[no-any-return]
+        self.redelivered = bool(delivered.redelivered)
+        properties = delivered.header.properties
+        self.headers: dict[str, Any] = properties.headers or {}
+        self.message_id: str | None = properties.message_id
+        self.type: str | None = properties.message_type
+        self.timestamp: datetime | None = properties.timestamp
+        self.content_type: str | None = properties.content_type
+        self.content_encoding: str | None = properties.content_encoding
+        self.correlation_id: str | None = properties.correlation_id
+        self.app_id: str | None = properties.app_id
+        self.priority: int | None = properties.priority
 
 
 def to_delivery(message: _Received, replays: KeyDigester | None = None) -> Delivery:
