@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -11,7 +12,8 @@ from prometheus_client import REGISTRY
 from sqlalchemy import text
 
 from consumer_kit import Batch, ConfigurationError, ConsumerApp, Context, Outcome, Result, TerminalError
-from consumer_kit.delivery import Delivery, DispatchSoon
+from consumer_kit.delivery import Delivery, Dispatch, DispatchSoon
+from consumer_kit.settings import Settings
 from consumer_kit.testing import InMemorySource
 from tests.conftest import make_settings
 
@@ -23,17 +25,24 @@ class SoonSource(InMemorySource):
     def __init__(self, **kwargs: object) -> None:
         super().__init__(**kwargs)  # type: ignore[arg-type]
         self.taken = 0  # deliveries ``soon`` took
+        self.handed: DispatchSoon | None = None  # the app's dispatch, as start() is given it
+
+    async def start(self, dispatch: Dispatch, settings: Settings) -> None:
+        await super().start(dispatch, settings)
+        self.handed = dispatch if isinstance(dispatch, DispatchSoon) else None
+
+    def soon(self, delivery: Delivery, then: Callable[[Result | None], None]) -> bool:
+        """Hand ``delivery`` over with the app's ``soon`` (False when it would not take it)."""
+        return self.handed is not None and self.handed.soon(delivery, then)
 
     async def deliver_delivery(self, delivery: Delivery) -> Result:
-        dispatch = self._dispatch
-        if isinstance(dispatch, DispatchSoon):
-            told: asyncio.Future[Result | None] = asyncio.get_running_loop().create_future()
-            if dispatch.soon(delivery, told.set_result):
-                self.taken += 1
-                result = await told
-                assert result is not None, "nothing was decided"
-                self.settled.append((delivery, result))
-                return result
+        told: asyncio.Future[Result | None] = asyncio.get_running_loop().create_future()
+        if self.soon(delivery, told.set_result):
+            self.taken += 1
+            result = await told
+            assert result is not None, "nothing was decided"
+            self.settled.append((delivery, result))
+            return result
         return await super().deliver_delivery(delivery)
 
 
@@ -297,10 +306,8 @@ async def test_stop_finishes_the_batches_soon_handed_over(database_url: str) -> 
     await app.start()
     try:
         await prepare(app)
-        dispatch = source._dispatch
-        assert isinstance(dispatch, DispatchSoon)
         for i in range(5):  # gathering: the batch would wait a minute for more
-            assert dispatch.soon(Delivery(id=f"s-{i}", body=f"s-{i}".encode()), told.append)
+            assert source.soon(Delivery(id=f"s-{i}", body=f"s-{i}".encode()), told.append)
         await asyncio.sleep(0.05)
         assert told == []
         seen_before_stop = await effects(app)
