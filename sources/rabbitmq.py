@@ -73,6 +73,7 @@ from consumer_kit.delivery import (
     Dispatch,
     DispatchSoon,
     KeyMapper,
+    Outcome,
     RefusedReplay,
     Replayed,
     Result,
@@ -94,6 +95,8 @@ SOURCE_QUEUE_HEADER = "x-consumer-kit-queue"
 NO_ID_HEADER = "x-consumer-kit-no-message-id"
 """Set on a copy of a message that had no ``message_id``: aiormq gives every message it publishes a
 random id, and a copy must never be keyed by that."""
+UNREADABLE = "unreadable"
+"""The reason on the dead-letter copy of a message the source could not turn into a delivery."""
 DEFAULT_RETRY_DELAYS = (1.0, 5.0, 30.0, 120.0)
 SETTLE_TIMEOUT_SECONDS = 10.0  # how long close() waits for acks and copies already under way
 CONNECT_TIMEOUT_SECONDS = 5.0
@@ -318,16 +321,18 @@ class RabbitMQSource(EnvelopedSource):
 
     async def _deliver(self, message: _Received, delivery: Delivery | None) -> None:
         assert self._dispatch is not None
-        try:
-            if delivery is None:
+        if delivery is None:
+            try:
                 delivery = self._delivery(message)
-            result = await self._dispatch(delivery)
-        except asyncio.CancelledError:
-            raise  # unsettled: the broker redelivers when the channel closes
-        except Exception as exc:
-            log.warning("%s: delivery not processed (%s); the broker will redeliver it", self.name,
-                        type(exc).__name__)
-            return
+            except Exception as exc:
+                # Reading it failed where it never should (every malformed field we know of becomes a
+                # delivery the pipeline parks): held unacked, it would come back and fail for ever.
+                log.warning("%s: a message could not be read (%s); dead-lettered as unreadable", self.name,
+                            type(exc).__name__)
+                unread = Delivery(id=None, body=message.body, attempt=1)
+                await self._settled(message, unread, Result(Outcome.INVALID, Settlement.DEAD_LETTER, UNREADABLE))
+                return
+        result = await self._dispatch(delivery)  # never raises, but for a cancellation
         await self._settled(message, delivery, result)
 
     async def _settled(self, message: _Received, delivery: Delivery, result: Result) -> None:

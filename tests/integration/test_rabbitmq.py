@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 from sqlalchemy import Column, Integer, MetaData, String, Table, distinct, func, select
@@ -110,6 +111,33 @@ async def test_missing_message_id_is_dead_lettered(pg: str, queue: str) -> None:
     assert all((m.headers or {})[REASON_HEADER] == "missing_stable_id" for m in dlq)
     # aiormq gives every publish a random message_id; the copy says the original had none.
     assert all((m.headers or {})[NO_ID_HEADER] == 1 for m in dlq)
+
+
+async def test_a_message_that_cannot_be_read_is_dead_lettered_not_held(pg: str, queue: str,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Reading a message into a delivery raises nowhere we know of; if it did, the message would be held
+    unacked and fail again on every redelivery. It is dead-lettered with its reason instead."""
+    import sources.rabbitmq as rabbitmq
+
+    real = rabbitmq.to_delivery
+
+    def to_delivery(message: Any, replays: Any = None) -> Any:
+        if message.message_id == "broken-1":
+            raise ValueError("a field nobody expected")
+        return real(message, replays)
+
+    monkeypatch.setattr(rabbitmq, "to_delivery", to_delivery)
+    app, _ = worker(make_settings(pg, db_pool_size=5), queue, "a")
+    async with app.running():
+        await publish(queue, [("fine-1", b"fine"), ("broken-1", b"broken")])
+
+        async def settled() -> bool:
+            return await depth(f"{queue}.dlq") == 1 and (await counts(app))[0] == 1
+
+        await wait_until(settled, 20, "one processed, one dead-lettered")
+    assert await depth(queue) == 0
+    dlq = await drain(f"{queue}.dlq")
+    assert [(m.body, (m.headers or {})[REASON_HEADER]) for m in dlq] == [(b"broken", "unreadable")]
 
 
 async def test_recovers_after_the_broker_closes_the_connection(pg: str, queue: str) -> None:
