@@ -76,6 +76,7 @@ async def embedded(url: str, keys: list[str]) -> tuple[float, float]:
         replayed = await drive(keys, create, CONCURRENCY)
         return created, replayed
     finally:
+        await coordinator.close()
         await engine.dispose()
 
 

@@ -236,16 +236,18 @@ async def _relay(app_target: str | None) -> int:
 
         publisher = AmqpPublisher(settings.require_rabbitmq_url(), settings=settings)
     engine = create_engine(settings.database_url)
+    database = Database(engine)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     try:
         await ensure_schema(engine, app=AppMigrations.from_settings(settings))
-        await OutboxRelay(Outbox(Database(engine)), publisher, settings,
+        await OutboxRelay(Outbox(database), publisher, settings,
                           tracer_provider=app.tracer_provider if app is not None else None).run(stop)
     finally:
         await publisher.close()
+        await database.close()
         await engine.dispose()
     return 0
 

@@ -64,8 +64,15 @@ class EmbeddedCoordinator(SessionScope):
         self.tenant = tenant
         self.application = application
         self.digester = digester or settings.digester()
+        self._owns_database = not isinstance(engine, Database)
         self.database = engine if isinstance(engine, Database) else Database(engine)
         self.store = ReceiptStore(self.database, clock=clock)
+
+    async def close(self) -> None:
+        """Close the connections this coordinator opened of its own (given an engine, not a
+        ``Database``); the engine stays the caller's to dispose of."""
+        if self._owns_database:
+            await self.database.close()
 
     async def open(self) -> None:
         """Prepare this coordinator's scope in the store (the receipt counts of its sessions and
@@ -79,6 +86,7 @@ class EmbeddedCoordinator(SessionScope):
         view.settings, view.digester, view.database, view.store = (
             self.settings, self.digester, self.database, self.store)
         view.tenant, view.application = tenant, application
+        view._owns_database = False  # the view's connections are this coordinator's
         return view
 
     async def create_session(

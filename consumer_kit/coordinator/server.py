@@ -220,9 +220,9 @@ async def serve(settings: Settings, *, host: str = "127.0.0.1", port: int = 8080
         log.warning("COORDINATOR_TOKENS is empty: every request will be refused with 401")
     sock = listen(host, port)  # a port that is taken stops us before anything is opened
     engine = create_engine(settings.database_url, pool_size=settings.db_pool_size)
+    coordinator = EmbeddedCoordinator(engine, settings, digester=settings.digester())
     try:
         await unless_stopped(ensure_schema(engine), stop)
-        coordinator = EmbeddedCoordinator(engine, settings, digester=settings.digester())
         app = create_app(coordinator, tokens, sweep_interval=settings.sweep_interval_seconds)
         config = server_config(app, settings, host=host, port=port, log_level="warning", access_log=False,
                                lifespan="on",
@@ -232,4 +232,5 @@ async def serve(settings: Settings, *, host: str = "127.0.0.1", port: int = 8080
         log.info("stop signal during start-up: stopped before serving")
     finally:
         sock.close()
+        await coordinator.close()
         await engine.dispose()

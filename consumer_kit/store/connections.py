@@ -34,8 +34,8 @@ class Database:
     """The store's database: the app's SQLAlchemy engine, and the executor chosen once for its driver.
 
     On asyncpg the store's own statements (claims, lookups, completions of handlers registered with
-    ``driver="asyncpg"``) run on a small asyncpg pool the store owns outright, made on first use and
-    sized like the engine's pool: an asyncpg checkout costs a fifth of an SQLAlchemy one (whose
+    ``driver="asyncpg"``) run on a small asyncpg pool the store owns outright, made on first use, closed by
+    :meth:`close` and sized like the engine's pool: an asyncpg checkout costs a fifth of an SQLAlchemy one (whose
     async layer is three greenlet switches a checkout). Work that needs ``ctx.db`` takes an
     SQLAlchemy connection (``connect(session=True)``), and so does lease upkeep (renewals, releases),
     so that handlers holding every store connection cannot starve it.
@@ -48,16 +48,12 @@ class Database:
         self._pool: asyncpg.Pool | None = None
         self._opening: asyncio.Future[asyncpg.Pool] | None = None
         self._pool_size = pool_size or _pool_size(engine)
-        if self.asyncpg:
-            # Autocommit: SQLAlchemy never begins or ends a transaction on these connections; the
-            # executor's own (asyncpg) transactions do. The option only changes a flag per checkout.
-            self._engine = engine.execution_options(isolation_level="AUTOCOMMIT")
-            if not event.contains(engine.sync_engine, "checkout", _refuse_in_doubt):
-                event.listen(engine.sync_engine, "checkout", _refuse_in_doubt)
-            # The engine's disposal closes the store's pool too (abruptly: nothing is in flight then).
-            event.listen(engine.sync_engine, "engine_disposed", lambda _engine: self._terminate())
-        else:
-            self._engine = engine
+        # A pool listener, not an engine one: any listener of the engine's own events (even
+        # engine_disposed) makes every statement on its connections run SQLAlchemy's event dispatch,
+        # the handlers' ctx.db statements included. So the store's pool is closed by close(), not by
+        # the engine's disposal.
+        if self.asyncpg and not event.contains(engine.sync_engine, "checkout", _refuse_in_doubt):
+            event.listen(engine.sync_engine, "checkout", _refuse_in_doubt)
 
     @contextlib.asynccontextmanager
     async def connect(self, *, session: bool = False) -> AsyncIterator[Executor]:
@@ -67,7 +63,12 @@ class Database:
             async with self._sqlalchemy() as executor:
                 yield executor
         elif session:
-            async with self._engine.connect() as conn:
+            async with self.engine.connect() as conn:
+                # Autocommit: SQLAlchemy never begins or ends a transaction on this connection; the
+                # executor's own (asyncpg) transactions do. Set here, not as an engine option, which
+                # SQLAlchemy applies through an engine_connect listener (see above); it only sets a
+                # flag of the driver's adapter, and the pool resets it at checkin.
+                await conn.execution_options(isolation_level="AUTOCOMMIT")
                 # Connection.connection (the pooled DB-API connection) of a connection just checked out
                 # is an attribute, not I/O: it spares get_raw_connection()'s trip through a greenlet.
                 executor = AsyncpgExecutor(conn.sync_connection.connection.driver_connection, conn)  # type: ignore[union-attr]
@@ -114,19 +115,15 @@ class Database:
         return pool
 
     async def close(self) -> None:
-        """Close the store's own pool, if it opened one (the engine is the caller's)."""
+        """Close the store's own pool, if it opened one (the engine is the caller's). Whoever makes a
+        ``Database`` closes it: disposing of the engine does not."""
         pool, self._pool, self._opening = self._pool, None, None
         if pool is not None:
             await pool.close()
 
-    def _terminate(self) -> None:
-        pool, self._pool, self._opening = self._pool, None, None
-        if pool is not None:
-            pool.terminate()
-
     @contextlib.asynccontextmanager
     async def _sqlalchemy(self) -> AsyncIterator[Executor]:
-        conn = self._engine.connect()
+        conn = self.engine.connect()
         try:
             await to_the_end(conn.start())
         except BaseException:  # cancelled once it was checked out: give it back

@@ -68,10 +68,12 @@ def consumer_kit_source() -> InMemorySource:
 
 @async_fixture
 async def embedded_coordinator(consumer_kit_settings: Settings) -> AsyncIterator[EmbeddedCoordinator]:
-    """An embedded coordinator on the temporary database, migrated; the engine is disposed afterwards."""
+    """An embedded coordinator on the temporary database, migrated; closed, and its engine disposed, afterwards."""
     engine = create_engine(consumer_kit_settings.database_url)
+    coordinator = EmbeddedCoordinator(engine, consumer_kit_settings)
     try:
         await ensure_schema(engine)
-        yield EmbeddedCoordinator(engine, consumer_kit_settings)
+        yield coordinator
     finally:
+        await coordinator.close()
         await engine.dispose()

@@ -60,10 +60,11 @@ async def served_coordinator(settings: Settings, tokens: dict[str, tuple[str, st
     from consumer_kit.coordinator.server import create_app
 
     engine = create_engine(settings.database_url, pool_size=settings.db_pool_size)
+    coordinator = EmbeddedCoordinator(engine, settings)
     try:
         await ensure_schema(engine)
-        app = create_app(EmbeddedCoordinator(engine, settings), tokens)
-        async with served_asgi(app, settings=settings) as url:
+        async with served_asgi(create_app(coordinator, tokens), settings=settings) as url:
             yield url
     finally:
+        await coordinator.close()
         await engine.dispose()

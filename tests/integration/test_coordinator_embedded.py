@@ -18,7 +18,7 @@ from consumer_kit.coordinator import (
     ReceiptLimitExceeded,
     SessionRequest,
 )
-from consumer_kit.store import create_engine, ensure_schema
+from consumer_kit.store import Database, create_engine, ensure_schema
 from consumer_kit.store.tables import coordinator_resources, idempotency_receipts
 from tests.conftest import make_settings
 
@@ -35,17 +35,24 @@ class Clock:
         return self.now
 
 
+_DATABASES: dict[AsyncEngine, Database] = {}
+"""The store connections of each test's engine, which its coordinators share and the fixture closes."""
+
+
 @pytest.fixture
 async def engine(database_url: str) -> AsyncIterator[AsyncEngine]:
     engine = create_engine(database_url)
     await ensure_schema(engine)
+    database = _DATABASES[engine] = Database(engine)
     yield engine
+    del _DATABASES[engine]
+    await database.close()
     await engine.dispose()
 
 
 def coordinator(engine: AsyncEngine, settings: Settings, clock: Clock | None = None, **scope: str
                 ) -> EmbeddedCoordinator:
-    return EmbeddedCoordinator(engine, settings, clock=clock or Clock(), **scope)
+    return EmbeddedCoordinator(_DATABASES[engine], settings, clock=clock or Clock(), **scope)
 
 
 async def count(engine: AsyncEngine, table: object) -> int:
@@ -197,9 +204,9 @@ async def test_session_context_manager_ends_on_clean_exit(engine: AsyncEngine, d
 async def test_concurrent_creations_with_one_key_make_one_session(pg_database: str) -> None:
     """Real concurrency: 3 engines (separate pools), 24 simultaneous creations, one key."""
     engines = [create_engine(pg_database) for _ in range(3)]
+    settings = make_settings(pg_database)
+    coords = [EmbeddedCoordinator(e, settings) for e in engines]
     try:
-        settings = make_settings(pg_database)
-        coords = [EmbeddedCoordinator(e, settings) for e in engines]
         start = asyncio.Event()
 
         async def one(n: int) -> tuple[str, bool]:
@@ -216,6 +223,8 @@ async def test_concurrent_creations_with_one_key_make_one_session(pg_database: s
         assert await count(engines[0], coordinator_resources) == 1
         assert await count(engines[0], idempotency_receipts) == 1
     finally:
+        for made in coords:
+            await made.close()
         for engine in engines:
             await engine.dispose()
 
@@ -224,8 +233,8 @@ async def test_concurrent_creations_with_one_key_make_one_session(pg_database: s
 async def test_concurrent_first_creations_of_a_scope_share_its_counter(pg_database: str) -> None:
     """The scope's counter row is created by one of many simultaneous first creations; none is refused."""
     engine = create_engine(pg_database)
+    coord = EmbeddedCoordinator(engine, make_settings(pg_database, idempotency_max_receipts_per_scope=30))
     try:
-        coord = EmbeddedCoordinator(engine, make_settings(pg_database, idempotency_max_receipts_per_scope=30))
         results = await asyncio.gather(*(coord.create_session(REQUEST, idempotency_key=f"k:{n}") for n in range(16)))
         assert not any(r.replayed for r in results)
         more = await asyncio.gather(*(coord.create_session(REQUEST, idempotency_key=f"k:{n}")
@@ -235,6 +244,7 @@ async def test_concurrent_first_creations_of_a_scope_share_its_counter(pg_databa
         assert await count(engine, idempotency_receipts) == 30
         assert await count(engine, coordinator_resources) == 30
     finally:
+        await coord.close()
         await engine.dispose()
 
 

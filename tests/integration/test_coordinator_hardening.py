@@ -140,9 +140,9 @@ async def test_ended_sessions_delegate_nothing_and_their_delegations_are_not_rep
 async def test_the_embedded_coordinator_enforces_the_same_rule(database_url: str) -> None:
     settings: Settings = make_settings(database_url)
     engine = create_engine(settings.database_url)
+    acme = EmbeddedCoordinator(engine, settings, tenant="acme", application="tickets")
     try:
         await ensure_schema(engine)
-        acme = EmbeddedCoordinator(engine, settings, tenant="acme", application="tickets")
         other = acme.scoped("globex", "tickets")
         session = await acme.create_session(SESSION)
         request = DelegationRequest(from_session_id=session.session_id, to_subject="agent-2")
@@ -157,6 +157,7 @@ async def test_the_embedded_coordinator_enforces_the_same_rule(database_url: str
             await acme.create_delegation(request)
         assert (refused.value.status, refused.value.code) == (409, "session_inactive")
     finally:
+        await acme.close()
         await engine.dispose()
     assert await delegations(database_url) == 1
 

@@ -42,9 +42,11 @@ async def database(database_url: str) -> AsyncIterator[Database]:
     """The store's database on each executor: SQLite, PostgreSQL on asyncpg and on psycopg."""
     engine = create_engine(database_url)
     await ensure_schema(engine)
+    database = Database(engine)
     try:
-        yield Database(engine)
+        yield database
     finally:
+        await database.close()
         await engine.dispose()
 
 
@@ -230,6 +232,7 @@ async def test_a_session_rides_on_the_claim_and_the_completion_only(pg_database:
         assert ending.ended is True
         assert (await resources("active"), await resources("ended")) == (0, 1)
     finally:
+        await database.close()
         await engine.dispose()
 
 
@@ -258,6 +261,7 @@ async def test_completion_keeps_a_recent_expiry_and_renews_an_old_one(pg_databas
         completed_at = clock.now + timedelta(seconds=90)
         assert await complete_after("slow", 90) == completed_at + timedelta(seconds=3600)
     finally:
+        await database.close()
         await engine.dispose()
 
 
@@ -344,9 +348,11 @@ async def pg_store(request: pytest.FixtureRequest, pg_database: str) -> AsyncIte
     engine = create_engine(pg_database if request.param == "asyncpg" else
                            pg_database.replace("+asyncpg://", "+psycopg://"))
     await ensure_schema(engine)
+    database = Database(engine)
     try:
-        yield Database(engine)
+        yield database
     finally:
+        await database.close()
         await engine.dispose()
 
 
