@@ -35,8 +35,8 @@ def validate_key(value: object, *, part: str = "key") -> str:
         raise InvalidKey("not_a_string", part)
     if not value:
         raise InvalidKey("empty", part)
-    ascii_ = value.isascii()  # the common case: one byte per character, nothing to encode
-    if (len(value) if ascii_ else len(value.encode("utf-8", "surrogatepass"))) > MAX_KEY_BYTES:
+    ascii_ = value.isascii()
+    if _too_long(value, ascii_):
         raise InvalidKey("too_long", part)
     if _CONTROL.search(value):
         raise InvalidKey("control_character", part)
@@ -48,6 +48,11 @@ def validate_key(value: object, *, part: str = "key") -> str:
         except UnicodeEncodeError:
             raise InvalidKey("not_utf8", part) from None
     return value
+
+
+def _too_long(value: str, ascii_: bool) -> bool:
+    # ascii_: the common case, one byte per character and nothing to encode
+    return (len(value) if ascii_ else len(value.encode("utf-8", "surrogatepass"))) > MAX_KEY_BYTES
 
 
 @functools.lru_cache(maxsize=256, typed=True)  # typed: True is not 1 here
@@ -83,7 +88,9 @@ class OperationKey:
         validate_key(self.id, part="id")
         # With both parts valid, only the whole key's length can still fail.
         text = f"{self.namespace}:v{self.version}:{self.id}"
-        object.__setattr__(self, "_text", validate_key(text))
+        if _too_long(text, text.isascii()):
+            raise InvalidKey("too_long", "key")
+        object.__setattr__(self, "_text", text)
 
     def __str__(self) -> str:
         return self._text

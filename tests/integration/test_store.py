@@ -323,7 +323,7 @@ async def test_hot_statements_find_their_row_by_the_whole_key(pg_database: str, 
     from consumer_kit.store.executor import numbered
 
     statement = getattr(sql, name)
-    text_with_dollars, names = numbered(statement)
+    text_with_dollars, names, _ = numbered(statement)
     engine = create_engine(pg_database)
     try:
         async with engine.connect() as conn:
