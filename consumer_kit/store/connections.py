@@ -55,43 +55,16 @@ class Database:
         if self.asyncpg and not event.contains(engine.sync_engine, "checkout", _refuse_in_doubt):
             event.listen(engine.sync_engine, "checkout", _refuse_in_doubt)
 
-    @contextlib.asynccontextmanager
-    async def connect(self, *, session: bool = False) -> AsyncIterator[Executor]:
+    def connect(self, *, session: bool = False) -> contextlib.AbstractAsyncContextManager[Executor]:
         """A connection for a unit of work; statements autocommit outside ``begin()``. ``session``: it
         also serves an SQLAlchemy ``AsyncSession`` (``ctx.db``)."""
         if not self.asyncpg:
-            async with self._sqlalchemy() as executor:
-                yield executor
-        elif session:
-            async with self.engine.connect() as conn:
-                # Autocommit: SQLAlchemy never begins or ends a transaction on this connection; the
-                # executor's own (asyncpg) transactions do. Set here, not as an engine option, which
-                # SQLAlchemy applies through an engine_connect listener (see above); it only sets a
-                # flag of the driver's adapter, and the pool resets it at checkin.
-                await conn.execution_options(isolation_level="AUTOCOMMIT")
-                # Connection.connection (the pooled DB-API connection) of a connection just checked out
-                # is an attribute, not I/O: it spares get_raw_connection()'s trip through a greenlet.
-                executor = AsyncpgExecutor(conn.sync_connection.connection.driver_connection, conn)  # type: ignore[union-attr]
-                try:
-                    yield executor
-                finally:
-                    try:
-                        await executor.close_session()
-                    finally:
-                        if executor.discarded or executor.driver.is_in_transaction():
-                            executor.discard()
-                            await conn.invalidate()
-        else:
-            pool = self._pool or await self._open_pool()
-            # asyncpg shields its own release; a connection still inside a transaction is rolled back
-            # by it, and one the executor terminated is replaced.
-            async with pool.acquire() as driver:
-                executor = AsyncpgExecutor(driver)
-                try:
-                    yield executor
-                finally:
-                    if not executor.discarded and driver.is_in_transaction():
-                        executor.discard()
+            return self._sqlalchemy()
+        return _SessionCheckout(self.engine) if session else _PoolCheckout(self)
+
+    async def pool(self) -> asyncpg.Pool:
+        """The store's own asyncpg pool, opened on first use."""
+        return self._pool or await self._open_pool()
 
     async def _open_pool(self) -> asyncpg.Pool:
         # One opening for all the first callers at once (each would open a pool, and a connection).
@@ -150,6 +123,68 @@ class Database:
         """A connection inside a transaction, for one short unit of work."""
         async with self.connect(session=session) as executor, executor.begin(deferred=deferred):
             yield executor
+
+
+# The two checkouts on asyncpg are classes, not generator-based context managers: one of them runs for
+# every delivery, and contextlib's machinery cost more Python than either's own work.
+
+
+class _PoolCheckout:
+    """A connection of the store's own asyncpg pool. asyncpg shields its own release; a connection
+    still inside a transaction is rolled back by it, and one the executor terminated is replaced."""
+
+    __slots__ = ("_database", "_executor", "_pool")
+
+    def __init__(self, database: Database) -> None:
+        self._database = database
+
+    async def __aenter__(self) -> AsyncpgExecutor:
+        self._pool = await self._database.pool()
+        self._executor = AsyncpgExecutor(await self._pool.acquire())
+        return self._executor
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        executor = self._executor
+        if not executor.discarded and executor.driver.is_in_transaction():
+            executor.discard()
+        await self._pool.release(executor.driver)
+
+
+class _SessionCheckout:
+    """A connection of the engine's pool that also serves ``ctx.db``, its asyncpg connection running
+    the store's statements. Autocommit: SQLAlchemy never begins or ends a transaction on it; the
+    executor's own (asyncpg) transactions do. Set per connection, not as an engine option, which
+    SQLAlchemy applies through an engine_connect listener (see :class:`Database`); it only sets a
+    flag of the driver's adapter, and the pool resets it at checkin."""
+
+    __slots__ = ("_conn", "_executor")
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self._conn = engine.connect()
+
+    async def __aenter__(self) -> AsyncpgExecutor:
+        conn = await self._conn.__aenter__()
+        try:
+            await conn.execution_options(isolation_level="AUTOCOMMIT")
+        except BaseException as exc:
+            await conn.__aexit__(type(exc), exc, exc.__traceback__)
+            raise
+        # Connection.connection (the pooled DB-API connection) of a connection just checked out is an
+        # attribute, not I/O: it spares get_raw_connection()'s trip through a greenlet.
+        self._executor = AsyncpgExecutor(conn.sync_connection.connection.driver_connection, conn)  # type: ignore[union-attr]
+        return self._executor
+
+    async def __aexit__(self, *exc_info: Any) -> None:
+        executor, conn = self._executor, self._conn
+        try:
+            try:
+                await executor.close_session()
+            finally:
+                if executor.discarded or executor.driver.is_in_transaction():
+                    executor.discard()
+                    await conn.invalidate()
+        finally:
+            await conn.__aexit__(*exc_info)
 
 
 def _pool_size(engine: AsyncEngine) -> int:

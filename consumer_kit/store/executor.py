@@ -258,37 +258,8 @@ class AsyncpgExecutor(Executor):
             sql, _, args = numbered(statement)
             await self._driver.executemany(sql, [args(p) for p in params])
 
-    @contextlib.asynccontextmanager
-    async def begin(self, *, deferred: bool = False) -> AsyncIterator[None]:
-        driver = self._driver
-        transaction = driver.transaction()
-        settled = False
-        try:
-            await transaction.start()
-            try:
-                yield
-            except BaseException as exc:
-                try:
-                    await transaction.rollback()
-                    settled = True
-                except asyncio.CancelledError:
-                    raise  # cancelled again while rolling back: discarded below
-                except Exception as rollback_error:  # discarded below; the first error wins
-                    raise exc from rollback_error
-                raise
-            try:
-                await transaction.commit()
-            except Exception as exc:
-                # The server refused the commit (a deferred constraint, a serialization failure): it
-                # answered, and the transaction is over. Anything else leaves it in doubt.
-                settled = getattr(exc, "sqlstate", None) is not None and not driver.is_in_transaction()
-                raise
-            settled = True
-        finally:
-            # Not settled: start, commit or rollback was interrupted (cancelled, or the connection
-            # failed), so whether a transaction is still open is unknown. Never let it be pooled.
-            if not settled or (not self.discarded and driver.is_in_transaction()):
-                self.discard()
+    def begin(self, *, deferred: bool = False) -> contextlib.AbstractAsyncContextManager[None]:
+        return _AsyncpgTransaction(self)
 
     def discard(self) -> None:
         """Terminate the connection now (synchronously: nothing can interrupt it); the pool drops it."""
@@ -296,6 +267,56 @@ class AsyncpgExecutor(Executor):
             self.discarded = True
             log.warning("a database connection was left in doubt (interrupted transaction); discarding it")
             self._driver.terminate()
+
+
+class _AsyncpgTransaction:
+    """:meth:`AsyncpgExecutor.begin`: asyncpg's transaction, and the executor discarded whenever its end
+    is in doubt. (A class, not a generator-based context manager: it runs for every delivery.)"""
+
+    __slots__ = ("_executor", "_transaction")
+
+    def __init__(self, executor: AsyncpgExecutor) -> None:
+        self._executor = executor
+        self._transaction = executor.driver.transaction()
+
+    async def __aenter__(self) -> None:
+        try:
+            await self._transaction.start()
+        except BaseException:
+            self._settled(False)
+            raise
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        traceback: object) -> None:
+        settled = False
+        try:
+            if exc is not None:
+                try:
+                    await self._transaction.rollback()
+                    settled = True
+                except asyncio.CancelledError:
+                    raise  # cancelled again while rolling back: discarded below
+                except Exception as rollback_error:  # discarded below; the first error wins
+                    raise exc from rollback_error
+                return  # the block's exception goes on
+            try:
+                await self._transaction.commit()
+            except Exception as error:
+                # The server refused the commit (a deferred constraint, a serialization failure): it
+                # answered, and the transaction is over. Anything else leaves it in doubt.
+                settled = getattr(error, "sqlstate", None) is not None \
+                    and not self._executor.driver.is_in_transaction()
+                raise
+            settled = True
+        finally:
+            self._settled(settled)
+
+    def _settled(self, settled: bool) -> None:
+        # Not settled: start, commit or rollback was interrupted (cancelled, or the connection failed),
+        # so whether a transaction is still open is unknown. Never let it be pooled.
+        executor = self._executor
+        if not settled or (not executor.discarded and executor.driver.is_in_transaction()):
+            executor.discard()
 
 
 def lost_to_a_conflict(exc: BaseException) -> bool:
