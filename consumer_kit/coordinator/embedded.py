@@ -81,13 +81,10 @@ class EmbeddedCoordinator(SessionScope):
             await self.store.open_scope(Scope(self.tenant, self.application, operation))
 
     def scoped(self, tenant: str, application: str) -> EmbeddedCoordinator:
-        """The same coordinator acting for another tenant and application."""
-        view = object.__new__(EmbeddedCoordinator)
-        view.settings, view.digester, view.database, view.store = (
-            self.settings, self.digester, self.database, self.store)
-        view.tenant, view.application = tenant, application
-        view._owns_database = False  # the view's connections are this coordinator's
-        return view
+        """The same coordinator acting for another tenant and application: on this one's connections
+        (given as a ``Database``, which it does not own and so does not close)."""
+        return EmbeddedCoordinator(self.database, self.settings, tenant=tenant, application=application,
+                                   digester=self.digester, clock=self.store.clock)
 
     async def create_session(
         self, request: SessionRequest, *, idempotency_key: str | None = None, generated_key: bool = False

@@ -230,6 +230,25 @@ async def test_concurrent_creations_with_one_key_make_one_session(pg_database: s
 
 
 @pytest.mark.postgres
+async def test_close_closes_only_the_connections_a_coordinator_opened(pg_database: str) -> None:
+    """A coordinator made on an engine closes its own store connections; a scoped view of it, which
+    runs on them, leaves them open; the engine's disposal is the caller's either way."""
+    engine = create_engine(pg_database)
+    coord = EmbeddedCoordinator(engine, make_settings(pg_database))
+    try:
+        view = coord.scoped("globex", "tickets")
+        await view.create_session(REQUEST, idempotency_key=KEY)
+        pool = await coord.database.pool()
+        await view.close()
+        assert await coord.database.pool() is pool and not pool.is_closing()
+        await coord.close()
+        assert pool.is_closing()
+    finally:
+        await coord.close()
+        await engine.dispose()
+
+
+@pytest.mark.postgres
 async def test_concurrent_first_creations_of_a_scope_share_its_counter(pg_database: str) -> None:
     """The scope's counter row is created by one of many simultaneous first creations; none is refused."""
     engine = create_engine(pg_database)
