@@ -69,10 +69,11 @@ class LeasedPath:
         # On PostgreSQL the claim statement answers a duplicate by itself, but a plain read does it at
         # a quarter of the server's time: read first while duplicates are common (see DuplicateShare).
         self._duplicates = DuplicateShare(0.25)
+        self._heartbeats = Heartbeats(stores.settings.heartbeat_seconds, self._renew)
 
     async def run(self, work: Work) -> Result:
         """Claim, open the session, run the handler's attempts and settle."""
-        heartbeat = _Heartbeat(self.stores.settings.heartbeat_seconds, lambda: self._renew(work))
+        self._heartbeats.add(work)
         try:
             return await self._run(work)
         except asyncio.CancelledError:
@@ -83,7 +84,7 @@ class LeasedPath:
                     await asyncio.shield(self._release(work, "cancelled", work.connection, aside=True))
             raise
         finally:
-            heartbeat.cancel()
+            self._heartbeats.remove(work)
 
     async def _run(self, work: Work) -> Result:
         spec, inbox = work.spec, self.stores.inbox
@@ -236,18 +237,39 @@ class LeasedPath:
             await asyncio.sleep(interval)
 
 
-class _Heartbeat:
-    """Starts the lease-renewal task only once a handler has run for one renewal interval, so that
-    the common short handler pays for a timer, not for a task."""
+class Heartbeats:
+    """The lease upkeep of the deliveries in flight: a delivery's renewal task (``beat``) starts once it
+    has run for half to one renewal interval, never later than one. One timer serves them all, ticking
+    every half interval while any delivery is in flight: the common short handler costs two dict
+    operations, not a timer of its own in the event loop's heap (that was ~3% of a delivery's Python).
 
-    def __init__(self, interval: float, beat: Callable[[], Awaitable[None]]) -> None:
-        self._task: asyncio.Task[None] | None = None
-        self._timer = asyncio.get_running_loop().call_later(interval, self._start, beat)
+    A delivery added between two ticks is "young" until the next tick, "old" until the one after it,
+    and then its task starts."""
 
-    def _start(self, beat: Callable[[], Awaitable[None]]) -> None:
-        self._task = asyncio.ensure_future(beat())
+    def __init__(self, interval: float, beat: Callable[[Work], Awaitable[None]]) -> None:
+        self._half = interval / 2
+        self._beat = beat
+        self._young: dict[int, Work] = {}  # by id(): a Work is not hashable
+        self._old: dict[int, Work] = {}
+        self._beating: dict[int, asyncio.Task[None]] = {}
+        self._timer: asyncio.TimerHandle | None = None
 
-    def cancel(self) -> None:
-        self._timer.cancel()
-        if self._task is not None:
-            self._task.cancel()
+    def add(self, work: Work) -> None:
+        """Count ``work`` in flight from now."""
+        self._young[id(work)] = work
+        if self._timer is None:
+            self._timer = asyncio.get_running_loop().call_later(self._half, self._tick)
+
+    def remove(self, work: Work) -> None:
+        """``work`` is over: forget it, and stop its renewals if they started."""
+        key = id(work)
+        if self._young.pop(key, None) is None and self._old.pop(key, None) is None:
+            task = self._beating.pop(key, None)
+            if task is not None:
+                task.cancel()
+
+    def _tick(self) -> None:
+        old, self._old, self._young = self._old, self._young, {}
+        self._timer = asyncio.get_running_loop().call_later(self._half, self._tick) if self._old else None
+        for key, work in old.items():
+            self._beating[key] = asyncio.ensure_future(self._beat(work))
