@@ -52,8 +52,8 @@ class Database:
         # engine_disposed) makes every statement on its connections run SQLAlchemy's event dispatch,
         # the handlers' ctx.db statements included. So the store's pool is closed by close(), not by
         # the engine's disposal.
-        if self.asyncpg and not event.contains(engine.sync_engine, "checkout", _refuse_in_doubt):
-            event.listen(engine.sync_engine, "checkout", _refuse_in_doubt)
+        if self.asyncpg and not event.contains(engine.sync_engine, "checkout", _checked_out):
+            event.listen(engine.sync_engine, "checkout", _checked_out)
 
     def connect(self, *, session: bool = False) -> contextlib.AbstractAsyncContextManager[Executor]:
         """A connection for a unit of work; statements autocommit outside ``begin()``. ``session``: it
@@ -152,10 +152,13 @@ class _PoolCheckout:
 
 class _SessionCheckout:
     """A connection of the engine's pool that also serves ``ctx.db``, its asyncpg connection running
-    the store's statements. Autocommit: SQLAlchemy never begins or ends a transaction on it; the
-    executor's own (asyncpg) transactions do. Set per connection, not as an engine option, which
-    SQLAlchemy applies through an engine_connect listener (see :class:`Database`); it only sets a
-    flag of the driver's adapter, and the pool resets it at checkin."""
+    the store's statements. Autocommit at the DB-API level: SQLAlchemy's asyncpg adapter then never
+    begins or ends a transaction on it (it would begin a savepoint inside the executor's); the
+    executor's own (asyncpg) transactions do. Set through the DB-API connection's ``autocommit``
+    attribute, which every checkout puts back to the engine's setting (:func:`_checked_out`): it is
+    one attribute, where ``execution_options(isolation_level=...)`` is a greenlet trip and
+    SQLAlchemy's isolation bookkeeping out and back (~2% of a ctx.db delivery's Python), and an engine
+    option is applied through an engine_connect listener (see :class:`Database`)."""
 
     __slots__ = ("_conn", "_executor")
 
@@ -164,14 +167,11 @@ class _SessionCheckout:
 
     async def __aenter__(self) -> AsyncpgExecutor:
         conn = await self._conn.__aenter__()
-        try:
-            await conn.execution_options(isolation_level="AUTOCOMMIT")
-        except BaseException as exc:
-            await conn.__aexit__(type(exc), exc, exc.__traceback__)
-            raise
         # Connection.connection (the pooled DB-API connection) of a connection just checked out is an
         # attribute, not I/O: it spares get_raw_connection()'s trip through a greenlet.
-        self._executor = AsyncpgExecutor(conn.sync_connection.connection.driver_connection, conn)  # type: ignore[union-attr]
+        pooled = conn.sync_connection.connection  # type: ignore[union-attr]
+        pooled.dbapi_connection.autocommit = True  # type: ignore[union-attr]
+        self._executor = AsyncpgExecutor(pooled.driver_connection, conn)
         return self._executor
 
     async def __aexit__(self, *exc_info: Any) -> None:
@@ -205,11 +205,13 @@ async def _transaction_scoped_reset(connection: asyncpg.Connection) -> None:
     session state, and asyncpg's full reset would cost a round trip per checkout."""
 
 
-def _refuse_in_doubt(dbapi_connection: Any, _record: Any, _proxy: Any) -> None:
+def _checked_out(dbapi_connection: Any, _record: Any, _proxy: Any) -> None:
     """Pool ``checkout`` hook: a connection that is closed or still inside a transaction is thrown
-    away and another one checked out."""
+    away and another one checked out; one that served ``ctx.db`` is back at the engine's
+    isolation setting (``autocommit = False`` restores the level the engine was configured with)."""
     driver = dbapi_connection.driver_connection
     if driver.is_closed() or driver.is_in_transaction():
         log.warning("discarding a pooled database connection that was %s",
                     "closed" if driver.is_closed() else "inside a transaction")
         raise DisconnectionError("connection in doubt")
+    dbapi_connection.autocommit = False

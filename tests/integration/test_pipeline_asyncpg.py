@@ -129,6 +129,36 @@ async def test_ctx_db_and_ctx_connection_are_one_transaction(pg_database: str, s
     assert tickets == ["K-asyncpg", "K-orm"]
 
 
+@pytest.mark.parametrize("single", [False, True], ids=["two-txn", "one-txn"])
+async def test_the_engine_is_transactional_again_after_ctx_db(pg_database: str, single: bool) -> None:
+    """A connection that served ``ctx.db`` is in autocommit for the delivery (its transaction is the
+    store's); back in the pool it is the engine's again: the app's own ``engine.begin()`` on that very
+    connection (a pool of one) rolls back, and its isolation level is the engine's."""
+    app = ConsumerApp(make_settings(pg_database, db_pool_size=1))
+    source = InMemorySource(namespace="raw", version=1)
+
+    @app.handler(source, single_transaction=single, name="orm")
+    async def handle(ctx: Context) -> None:
+        await ctx.db.execute(text("INSERT INTO raw_effects (ticket) VALUES (:t)"), {"t": ctx.delivery.json()["key"]})
+
+    async with app.running():
+        await prepare(app)
+        assert (await source.deliver(id="orm-1", body=b'{"key": "A"}')).outcome is Outcome.PROCESSED
+        with pytest.raises(ZeroDivisionError):
+            async with app.engine.begin() as conn:
+                await conn.exec_driver_sql("INSERT INTO raw_effects (ticket) VALUES ('rolled back')")
+                1 / 0  # noqa: B018 - the block fails after its write
+        async with app.engine.connect() as conn:
+            pid = (await conn.exec_driver_sql("SELECT pg_backend_pid()")).scalar()
+            assert await conn.get_isolation_level() == "READ COMMITTED"
+            assert conn.in_transaction()  # autobegun, as on any engine connection
+            tickets = sorted((await conn.exec_driver_sql("SELECT ticket FROM raw_effects")).scalars())
+        assert (await source.deliver(id="orm-2", body=b'{"key": "B"}')).outcome is Outcome.PROCESSED
+        async with app.engine.connect() as conn:  # the same connection served both deliveries and the probe
+            assert (await conn.exec_driver_sql("SELECT pg_backend_pid()")).scalar() == pid
+    assert tickets == ["A"]
+
+
 async def test_sqlite_refuses_asyncpg_handlers(sqlite_url: str) -> None:
     app = ConsumerApp(make_settings(sqlite_url))
 
