@@ -170,13 +170,13 @@ class Pipeline:
         source = spec.source.name
         counters = self._metrics.get(source)
         if counters is None:
-            counters = self._metrics[source] = metrics.SourceMetrics(source)
+            counters = self._metrics[source] = metrics.for_source(source)
         return counters
 
     def _count(self, counters: metrics.SourceMetrics, started: float, result: Result) -> None:
         if result.outcome is Outcome.PROCESSED:
             counters.handler_seconds.observe(asyncio.get_running_loop().time() - started)
-        counters.delivered(result.outcome.value)
+        counters.delivered(result.outcome)
 
     def _store_failed(self, spec: HandlerSpec, exc: Exception) -> Result:
         """The result of a delivery the store failed under: nothing was decided, so try it again."""

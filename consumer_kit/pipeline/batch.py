@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 from consumer_kit import metrics
 from consumer_kit.delivery import Outcome, Result, Settlement
 from consumer_kit.pipeline.fate import Fate
-from consumer_kit.pipeline.work import NO_COMMIT, NO_SPAN, Stores, Work, log, run_handler
+from consumer_kit.pipeline.work import NO_COMMIT, NO_SPAN, PROCESSED, Stores, Work, log, run_handler
 from consumer_kit.store.executor import Executor
 from consumer_kit.store.inbox import BatchKey, Claim, ClaimStatus
 from consumer_kit.store.staged import StagedWrites
@@ -265,7 +265,7 @@ class BatchedPath:
                     claims = await stores.inbox.claim_batch(
                         ex, spec.consumer,
                         [BatchKey(w.digests[0], w.key.namespace, w.key.version, w.fingerprint) for w in works],
-                        outcome=Outcome.PROCESSED.value)
+                        outcome=PROCESSED)
                 for work, claim in zip(works, claims, strict=True):
                     if claim.acquired and claim.attempts > 0:
                         work.claim = claim

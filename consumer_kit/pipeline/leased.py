@@ -40,6 +40,7 @@ from consumer_kit.delivery import Outcome, Result, Settlement
 from consumer_kit.errors import IdempotencyKeyConflict, IdempotencyResultInactive, LeaseLost, TerminalError
 from consumer_kit.pipeline.fate import Failed, Fate
 from consumer_kit.pipeline.work import (
+    PROCESSED,
     DuplicateShare,
     HandlerSpec,
     Stores,
@@ -142,7 +143,7 @@ class LeasedPath:
                 committing()
                 ending = step.ending(receipt.session_id) if step is not None and receipt is not None else None
                 if not await stores.inbox.complete(ex, work.spec.consumer, claim.digest, claim.lease_token,
-                                                   outcome=Outcome.PROCESSED.value, ending=ending):
+                                                   outcome=PROCESSED, ending=ending):
                     raise LeaseLost()
                 if step is not None and receipt is not None and ending is not None:
                     if not await step.end(ex, ending, receipt.session_id):

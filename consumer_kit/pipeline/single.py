@@ -26,6 +26,7 @@ import logging
 from consumer_kit.delivery import Outcome, Result, Settlement
 from consumer_kit.pipeline.fate import Failed, Fate, NotAcquired
 from consumer_kit.pipeline.work import (
+    PROCESSED,
     TAKEN,
     DuplicateShare,
     Stores,
@@ -98,7 +99,7 @@ class SinglePath:
                 with span(work, "claim"):
                     claim = await stores.inbox.claim_completed(
                         ex, spec.consumer, work.digests, work.fingerprint, namespace=work.key.namespace,
-                        version=work.key.version, outcome=Outcome.PROCESSED.value)
+                        version=work.key.version, outcome=PROCESSED)
                 if not claim.acquired:
                     raise NotAcquired(claim)
                 work.claim = claim

@@ -97,6 +97,10 @@ class Work:
                 extra={"namespace": self.key.namespace, "key_digest": self.digest})
 
 
+PROCESSED = Outcome.PROCESSED.value
+"""The stored outcome of a delivery whose handler's effect committed (``Outcome.PROCESSED.value`` is an
+enum property lookup, on every delivery)."""
+
 TAKEN = frozenset({Outcome.DUPLICATE, Outcome.IN_PROGRESS, Outcome.CONFLICT})
 """Outcomes of a delivery whose claim found its key taken."""
 
