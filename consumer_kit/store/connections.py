@@ -157,7 +157,7 @@ class _SessionCheckout:
     executor's own (asyncpg) transactions do. Set through the DB-API connection's ``autocommit``
     attribute, which every checkout puts back to the engine's setting (:func:`_checked_out`): it is
     one attribute, where ``execution_options(isolation_level=...)`` is a greenlet trip and
-    SQLAlchemy's isolation bookkeeping out and back (~2% of a ctx.db delivery's Python), and an engine
+    SQLAlchemy's isolation bookkeeping out and back (~5% of a ctx.db delivery's Python), and an engine
     option is applied through an engine_connect listener (see :class:`Database`)."""
 
     __slots__ = ("_conn", "_executor")
