@@ -159,6 +159,33 @@ async def test_the_engine_is_transactional_again_after_ctx_db(pg_database: str, 
     assert tickets == ["A"]
 
 
+async def test_an_engine_configured_for_autocommit_stays_so_after_a_ctx_db_checkout(pg_database: str) -> None:
+    """The checkout hook puts a connection back to the engine's own setting, not to "transactional":
+    on an engine made with ``isolation_level="AUTOCOMMIT"`` a write outside ``begin()`` is still committed
+    at once, on the very connection (a pool of one) that served a ctx.db checkout."""
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    from consumer_kit.store.connections import Database
+
+    engine = create_async_engine(pg_database, isolation_level="AUTOCOMMIT", pool_size=1, max_overflow=0)
+    database = Database(engine)
+    try:
+        async with engine.begin() as conn:
+            await conn.exec_driver_sql("DROP TABLE IF EXISTS raw_effects")
+            await conn.exec_driver_sql("CREATE TABLE raw_effects (id serial PRIMARY KEY, ticket text NOT NULL)")
+        async with database.connect(session=True) as ex, ex.begin():
+            await ex.session.execute(text("INSERT INTO raw_effects (ticket) VALUES ('in the store transaction')"))
+        async with engine.connect() as conn:  # never committed by the block: autocommit writes at once
+            await conn.exec_driver_sql("INSERT INTO raw_effects (ticket) VALUES ('autocommitted')")
+            await conn.rollback()
+        async with engine.connect() as conn:
+            tickets = sorted((await conn.exec_driver_sql("SELECT ticket FROM raw_effects")).scalars())
+        assert tickets == ["autocommitted", "in the store transaction"]
+    finally:
+        await database.close()
+        await engine.dispose()
+
+
 async def test_sqlite_refuses_asyncpg_handlers(sqlite_url: str) -> None:
     app = ConsumerApp(make_settings(sqlite_url))
 

@@ -49,7 +49,7 @@ async def test_renewals_start_within_one_interval_only_for_long_deliveries_and_s
     await asyncio.sleep(0)
     await asyncio.sleep(0)
     assert sorted(stopped) == ["later", "long"]
-    # Idle: the timer stopped; a delivery added now gets its renewal again.
+    # After an idle spell (no delivery in flight for a tick), a delivery added gets its renewal again.
     again = Delivery("again")
     heartbeats.add(again)  # type: ignore[arg-type]
     await asyncio.sleep(interval * 1.5)
