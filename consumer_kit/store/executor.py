@@ -328,6 +328,26 @@ def lost_to_a_conflict(exc: BaseException) -> bool:
     return False
 
 
+CONFLICT_TRIES = 5
+"""How many times a transaction that lost to a conflict (:func:`lost_to_a_conflict`) is run in all."""
+
+
+async def rerun_on_conflict(run: Callable[[Statement, Params], Awaitable[T]], statement: Statement,
+                            params: Params) -> T:
+    """``run(statement, params)`` for one statement in autocommit, run again when PostgreSQL aborted it
+    for a deadlock or a serialization failure (it rolled back whole). The one-statement creation,
+    alone or carried by the inbox's claim, takes a scope's count row while other creations lock that
+    scope's rows: PostgreSQL has aborted it for a deadlock under many concurrent creations. That is
+    the database's conflict, not the caller's error."""
+    for attempt in range(1, CONFLICT_TRIES + 1):
+        try:
+            return await run(statement, params)
+        except Exception as exc:
+            if attempt == CONFLICT_TRIES or not lost_to_a_conflict(exc):
+                raise
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
 # --- statement forms --------------------------------------------------------------------------------
 
 _PARAM = re.compile(r"(?<![:\w]):([A-Za-z_]\w*)")

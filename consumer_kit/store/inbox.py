@@ -22,7 +22,7 @@ from typing import Any
 
 from consumer_kit.store import sql
 from consumer_kit.store.connections import Database
-from consumer_kit.store.executor import Executor, Row
+from consumer_kit.store.executor import Executor, Row, rerun_on_conflict
 from consumer_kit.store.receipts import Creation, Ending
 
 Clock = Callable[[], datetime]
@@ -185,7 +185,7 @@ class Inbox:
                   "tombstones": self.tombstones}
         if self._pg:
             if creation is not None:
-                row = await ex.fetch_one(sql.CLAIM_CREATING_SESSION, {**params, **creation.params})
+                row = await rerun_on_conflict(ex.fetch_one, sql.CLAIM_CREATING_SESSION, {**params, **creation.params})
             else:
                 row = await ex.fetch_one(sql.CLAIM, params)
             assert row is not None

@@ -23,7 +23,7 @@ from typing import Any
 
 from consumer_kit.store import sql
 from consumer_kit.store.connections import Database
-from consumer_kit.store.executor import Executor, Row, lost_to_a_conflict
+from consumer_kit.store.executor import CONFLICT_TRIES, Executor, Row, lost_to_a_conflict, rerun_on_conflict
 
 STRIPES = 16
 """Rows the live-receipt count of one scope is spread over (see :meth:`ReceiptStore._take_slot`)."""
@@ -132,7 +132,7 @@ class ReceiptStore:
         elif self._pg and retention is not None and len(digests) == 1:
             creation = self.prepare(scope, digests[0], fingerprint, kind=kind, ttl=ttl, retention=retention,
                                     generated=generated, cap=cap)
-            row = await ex.fetch_one(sql.CREATE_RESOURCE, creation.params)
+            row = await rerun_on_conflict(ex.fetch_one, sql.CREATE_RESOURCE, creation.params)
             assert row is not None
             fast = await self.settle(ex, creation, row)
         if isinstance(fast, Found):
@@ -141,7 +141,11 @@ class ReceiptStore:
             found = await self._find(ex, scope, digests)
             if found is not None and found["receipt_expires_at"] > self.clock():
                 return _verdict(found, fingerprint, self.clock())
-        for _ in range(5):  # a stale expired receipt is dropped, or a deadlock lost, and the insert tried again
+        # The exact path locks a scope's stripes in stripe order, yet PostgreSQL still reported deadlocks
+        # among such lockers under heavy concurrency (waiters queue on a row's tuple lock). A
+        # transaction that lost one was rolled back whole and is run again; so is the insert after a
+        # stale expired receipt was dropped.
+        for attempt in range(1, CONFLICT_TRIES + 1):
             now = self.clock()
             resource_id = secrets.token_hex(16)
             expires_at = now + ttl
@@ -168,21 +172,22 @@ class ReceiptStore:
             except _Existing:
                 pass
             except Exception as exc:
-                # The exact path locks a scope's stripes in stripe order, yet PostgreSQL still reported
-                # deadlocks among such lockers under heavy concurrency (waiters queue on a row's tuple
-                # lock). The transaction was rolled back: run it again.
-                if not lost_to_a_conflict(exc):
+                if attempt == CONFLICT_TRIES or not lost_to_a_conflict(exc):
                     raise
                 continue
             # The insert met a committed receipt (or waited for a concurrent one to commit).
-            async with ex.begin():
-                found = await self._find(ex, scope, digests)
-                if found is None:  # swept between the two statements: create after all
-                    continue
-                now = self.clock()
-                if found["receipt_expires_at"] > now:
-                    return _verdict(found, fingerprint, now)
-                await self._drop_expired(ex, scope, found["key_digest"], now)
+            try:
+                async with ex.begin():
+                    found = await self._find(ex, scope, digests)
+                    if found is None:  # swept between the two statements: create after all
+                        continue
+                    now = self.clock()
+                    if found["receipt_expires_at"] > now:
+                        return _verdict(found, fingerprint, now)
+                    await self._drop_expired(ex, scope, found["key_digest"], now)
+            except Exception as exc:
+                if attempt == CONFLICT_TRIES or not lost_to_a_conflict(exc):
+                    raise
         raise RuntimeError("receipt kept reappearing while expired")  # pragma: no cover
 
     async def settle(self, ex: Executor, creation: Creation, row: Row) -> Found | str:
@@ -192,7 +197,8 @@ class ReceiptStore:
         if row["created"]:
             return Found("created", creation.resource_id, "active", creation.expires_at)
         if row["slot"]:  # a concurrent creation with this key committed first: give the slot back
-            await ex.execute(sql.ADD_TO_STRIPE, {**creation.scope.params(), "stripe": creation.stripe, "delta": -1})
+            await rerun_on_conflict(ex.execute, sql.ADD_TO_STRIPE,
+                                    {**creation.scope.params(), "stripe": creation.stripe, "delta": -1})
             return "existing"
         if row["fingerprint"] is None:
             return "slow"

@@ -19,8 +19,10 @@ from consumer_kit.coordinator import (
     SessionRequest,
 )
 from consumer_kit.store import Database, create_engine, ensure_schema
-from consumer_kit.store.tables import coordinator_resources, idempotency_receipts
+from consumer_kit.store.receipts import Scope
+from consumer_kit.store.tables import coordinator_resources, idempotency_receipts, idempotency_scopes
 from tests.conftest import make_settings
+from tests.integration.deadlocks import deadlocked
 
 KEY = "ticket-queue:v1:m-1-session"
 REQUEST = SessionRequest(labels=("research-agent", "reports"), task="Prepare T-1",
@@ -292,6 +294,38 @@ async def test_striped_cap_is_exact_and_reopens_after_sweep(engine: AsyncEngine,
         rows = (await conn.execute(select(idempotency_scopes.c.live, idempotency_scopes.c.closed))).all()
     assert {(r.live, r.closed) for r in rows} == {(0, False)}
     await coord.create_session(REQUEST, idempotency_key="k:after")
+
+
+@pytest.fixture(params=["asyncpg", "psycopg"])
+async def pg_engine(request: pytest.FixtureRequest, pg_database: str) -> AsyncIterator[AsyncEngine]:
+    """The ``engine`` fixture on PostgreSQL only, through each executor."""
+    engine = create_engine(pg_database if request.param == "asyncpg" else
+                           pg_database.replace("+asyncpg://", "+psycopg://"))
+    await ensure_schema(engine)
+    database = _DATABASES[engine] = Database(engine)
+    yield engine
+    del _DATABASES[engine]
+    await database.close()
+    await engine.dispose()
+
+
+async def test_a_creation_that_loses_a_deadlock_is_run_again(pg_engine: AsyncEngine, pg_database: str) -> None:
+    """A real deadlock: the one-statement creation holds its count row and waits for the same key's
+    uncommitted receipt, whose transaction then asks for that count row. PostgreSQL aborts the
+    creation (the other side's deadlock_timeout is long, so only the creation's backend checks); the
+    store runs it again: one session, one receipt, one counted slot."""
+    clock = Clock()
+    coord = coordinator(pg_engine, make_settings(pg_database), clock)
+    await coord.open()
+    key = "k:deadlock"
+    digest = next(iter(coord.digester.candidates(key)))
+    receipt = await deadlocked(pg_database, Scope(coord.tenant, coord.application, "session"), digest, clock.now,
+                               "WITH existing", coord.create_session(REQUEST, idempotency_key=key))
+    assert not receipt.replayed
+    assert await count(pg_engine, idempotency_receipts) == 1
+    async with pg_engine.connect() as conn:
+        live = (await conn.execute(select(func.sum(idempotency_scopes.c.live)))).scalar_one()
+    assert live == 1
 
 
 async def test_delegations_are_idempotent_too(engine: AsyncEngine, database_url: str) -> None:

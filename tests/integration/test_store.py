@@ -27,6 +27,7 @@ from consumer_kit.store.database import VERSION_TABLE
 from consumer_kit.store.receipts import Creation, ReceiptStore, Scope
 from consumer_kit.testing import InMemorySource
 from tests.conftest import TEST_HMAC_KEY, make_settings, run_in_thread
+from tests.integration.deadlocks import deadlocked
 
 
 class Clock:
@@ -354,6 +355,26 @@ async def pg_store(request: pytest.FixtureRequest, pg_database: str) -> AsyncIte
     finally:
         await database.close()
         await engine.dispose()
+
+
+async def test_a_claim_carrying_a_creation_that_loses_a_deadlock_is_run_again(pg_store: Database) -> None:
+    """The claim's statement, carrying a session's creation, is aborted by PostgreSQL for a real deadlock
+    (see :func:`~tests.integration.deadlocks.deadlocked`) and run again: the lease is taken, and the
+    session created and counted once."""
+    store = Inbox(pg_store, lease_seconds=30, retention_seconds=3600)
+    receipts = ReceiptStore(pg_store, clock=lambda: datetime.now(UTC))
+    scope = Scope("t", "a", "session")
+    await receipts.open_scope(scope)
+    creation = receipts.prepare(scope, "d".ljust(64, "0"), "request-fp", kind="session", ttl=timedelta(hours=1),
+                                retention=timedelta(days=1), generated=False, cap=1600)
+    won = await deadlocked(pg_store.engine.url, scope, creation.digest, datetime.now(UTC), "WITH inbox_row",
+                           claim(pg_store, store, "ride", creation=creation))
+    assert won.acquired and won.carried is not None and won.carried["created"] == 1
+    async with pg_store.engine.connect() as conn:
+        counts = (await conn.execute(text(
+            "SELECT (SELECT count(*) FROM inbox), (SELECT count(*) FROM idempotency_receipts),"
+            " (SELECT sum(live) FROM idempotency_scopes)"))).one()
+    assert tuple(counts) == (1, 1, 1)
 
 
 async def test_lookups_under_way_at_once_are_read_together(pg_store: Database) -> None:
