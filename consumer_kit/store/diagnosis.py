@@ -16,7 +16,7 @@ import sqlite3
 from collections.abc import Iterator
 
 from sqlalchemy.engine import URL, make_url
-from sqlalchemy.exc import ArgumentError
+from sqlalchemy.exc import ArgumentError, DBAPIError
 
 from consumer_kit.errors import DatabaseUnavailable, SchemaMissing
 
@@ -24,6 +24,9 @@ from consumer_kit.errors import DatabaseUnavailable, SchemaMissing
 _LOGIN_REFUSED = {"28000", "28P01"}
 _NO_DATABASE = "3D000"
 _MISSING_OBJECT = {"42P01": "table", "42703": "column", "3F000": "schema"}
+# A connection the server ended or could not serve yet: class 08 (connection exception), an
+# administrator's or a crash's shutdown, a server still starting up.
+_DROPPED = {"57P01", "57P02", "57P03"}
 _SQLITE_MISSING = re.compile(r"^no such (table|column): (\S+)|has no column named (\S+)")
 _PG_OBJECT = re.compile(r'(?:relation|column|schema) "([^"]+)"')
 
@@ -89,7 +92,20 @@ def unavailable_because(exc: BaseException, url: str | URL | None = None) -> str
             why = str(error).strip().splitlines()[0][:200] if str(error).strip() else "the connection failed"
         if why is not None:
             break
-    return why
+    return why or dropped_because(exc)
+
+
+def dropped_because(exc: BaseException) -> str | None:
+    """Why the server ended a connection in use, or could not serve one yet, in words; ``None`` when
+    ``exc`` is not that (a refused login, a missing database and a closed port are not: they stay so)."""
+    lost = False
+    for error in _chain(exc):
+        state = str(getattr(error, "sqlstate", None) or "")
+        if state.startswith("08") or state in _DROPPED:
+            said = str(error).strip().splitlines()
+            return f"the server ended the connection (SQLSTATE {state}{': ' + said[0][:200] if said else ''})"
+        lost = lost or (isinstance(error, DBAPIError) and error.connection_invalidated)
+    return "the connection was lost" if lost else None
 
 
 def missing_schema(exc: BaseException) -> SchemaMissing | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 
@@ -375,6 +376,27 @@ async def test_a_claim_carrying_a_creation_that_loses_a_deadlock_is_run_again(pg
             "SELECT (SELECT count(*) FROM inbox), (SELECT count(*) FROM idempotency_receipts),"
             " (SELECT sum(live) FROM idempotency_scopes)"))).one()
     assert tuple(counts) == (1, 1, 1)
+
+
+async def test_the_schema_check_opens_again_a_connection_the_server_ended(
+        pg_store: Database, caplog: pytest.LogCaptureFixture) -> None:
+    """A worker's start-up meets a database cut (an administrator's, a failover's): the pooled connection
+    its first statement takes was terminated by the server. The check opens a connection again, with a
+    warning, instead of ending the worker with a traceback."""
+    engine = create_engine(pg_store.engine.url.render_as_string(hide_password=False), pool_size=1)
+    try:
+        async with engine.connect() as conn:
+            pid = (await conn.execute(text("SELECT pg_backend_pid()"))).scalar_one()
+        async with pg_store.engine.connect() as admin:  # the pooled connection is idle now: end it
+            assert (await admin.execute(text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})).scalar_one()
+        with caplog.at_level(logging.WARNING, logger="consumer_kit.store"):
+            await ensure_schema(engine)
+    finally:
+        await engine.dispose()
+    said = [r.getMessage() for r in caplog.records if r.name == "consumer_kit.store"]
+    assert len(said) == 1, said
+    assert "opening a connection again" in said[0] and \
+        ("ended the connection" in said[0] or "connection was lost" in said[0]), said
 
 
 async def test_lookups_under_way_at_once_are_read_together(pg_store: Database) -> None:
