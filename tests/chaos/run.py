@@ -198,8 +198,12 @@ async def run(path: str, messages: int, kills: int, *, settle_seconds: float = 9
                 break
             await asyncio.sleep(1)
         await asyncio.sleep(1)
+        ended_before = worker.process is not None and worker.process.poll() is not None
         exit_code = worker.stop()
-        assert exit_code == 0, f"the worker did not stop cleanly ({exit_code}); see {log}"
+        if exit_code != 0:  # the log is gone with the run's temporary directory: say its end here
+            tail = "\n".join(log.read_text(errors="replace").splitlines()[-40:])
+            raise AssertionError(f"the worker {'had ended before the stop' if ended_before else 'did not stop cleanly'}"
+                                 f" ({exit_code}); the end of {log}:\n{tail}")
         rows, distinct = await db.fetchrow("SELECT count(*), count(DISTINCT message_id) FROM chaos_effects")
         parked = await db.fetchval("SELECT count(*) FROM dead_letters")
         await db.close()
