@@ -41,15 +41,20 @@ _DATABASES: dict[AsyncEngine, Database] = {}
 """The store connections of each test's engine, which its coordinators share and the fixture closes."""
 
 
-@pytest.fixture
-async def engine(database_url: str) -> AsyncIterator[AsyncEngine]:
-    engine = create_engine(database_url)
+async def _engine(url: str) -> AsyncIterator[AsyncEngine]:
+    engine = create_engine(url)
     await ensure_schema(engine)
     database = _DATABASES[engine] = Database(engine)
     yield engine
     del _DATABASES[engine]
     await database.close()
     await engine.dispose()
+
+
+@pytest.fixture
+async def engine(database_url: str) -> AsyncIterator[AsyncEngine]:
+    async for engine in _engine(database_url):
+        yield engine
 
 
 def coordinator(engine: AsyncEngine, settings: Settings, clock: Clock | None = None, **scope: str
@@ -299,14 +304,9 @@ async def test_striped_cap_is_exact_and_reopens_after_sweep(engine: AsyncEngine,
 @pytest.fixture(params=["asyncpg", "psycopg"])
 async def pg_engine(request: pytest.FixtureRequest, pg_database: str) -> AsyncIterator[AsyncEngine]:
     """The ``engine`` fixture on PostgreSQL only, through each executor."""
-    engine = create_engine(pg_database if request.param == "asyncpg" else
-                           pg_database.replace("+asyncpg://", "+psycopg://"))
-    await ensure_schema(engine)
-    database = _DATABASES[engine] = Database(engine)
-    yield engine
-    del _DATABASES[engine]
-    await database.close()
-    await engine.dispose()
+    async for engine in _engine(pg_database if request.param == "asyncpg" else
+                                pg_database.replace("+asyncpg://", "+psycopg://")):
+        yield engine
 
 
 async def test_a_creation_that_loses_a_deadlock_is_run_again(pg_engine: AsyncEngine, pg_database: str) -> None:
