@@ -336,8 +336,9 @@ async def rerun_on_conflict(run: Callable[[Statement, Params], Awaitable[T]], st
                             params: Params) -> T:
     """``run(statement, params)`` for one statement in autocommit, run again when PostgreSQL aborted it
     for a deadlock or a serialization failure (it rolled back whole). The one-statement creation,
-    alone or carried by the inbox's claim, takes a scope's count row while other creations lock that
-    scope's rows: PostgreSQL has aborted it for a deadlock under many concurrent creations. That is
+    alone or carried by the inbox's claim, takes its count row before it writes the receipt; the
+    portable path writes the receipt first. Two creations with one key can each hold what the other
+    waits for, and PostgreSQL has aborted creations of distinct keys too, under many at once. That is
     the database's conflict, not the caller's error."""
     for attempt in range(1, CONFLICT_TRIES + 1):
         try:
