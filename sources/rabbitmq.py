@@ -100,6 +100,8 @@ UNREADABLE = "unreadable"
 DEFAULT_RETRY_DELAYS = (1.0, 5.0, 30.0, 120.0)
 SETTLE_TIMEOUT_SECONDS = 10.0  # how long close() waits for acks and copies already under way
 CONNECT_TIMEOUT_SECONDS = 5.0
+START_ATTEMPTS = 5
+"""Connections a source opens in all when the broker closes each while the queues are set up."""
 FAILED_CONNECT_REUSE_SECONDS = 1.0  # AmqpPublisher: how long a failed connect answers later publishes
 _BOOKKEEPING = (ATTEMPT_HEADER, REASON_HEADER, SOURCE_QUEUE_HEADER, NO_ID_HEADER, REPLAY_HEADER)
 
@@ -215,15 +217,38 @@ class RabbitMQSource(EnvelopedSource):
         self._dispatch = dispatch
         self._soon = dispatch.soon if isinstance(dispatch, DispatchSoon) else None
         self._replays = settings.digester()
-        try:
-            self._connection = await aio_pika.connect_robust(
-                url, timeout=CONNECT_TIMEOUT_SECONDS, client_properties={"connection_name": self.name})
-        except Exception as exc:
-            raise unreachable(exc, url, self.name) from exc
-        self._channel = await self._connection.channel(publisher_confirms=True)
-        await self._channel.set_qos(prefetch_count=self.prefetch)
-        self._queue = await self._declare(self._channel)
-        await self._consume()
+        for attempt in range(1, START_ATTEMPTS + 1):
+            try:
+                self._connection = await aio_pika.connect_robust(
+                    url, timeout=CONNECT_TIMEOUT_SECONDS, client_properties={"connection_name": self.name})
+            except Exception as exc:
+                raise unreachable(exc, url, self.name) from exc
+            try:
+                self._channel = await self._connection.channel(publisher_confirms=True)
+                await self._channel.set_qos(prefetch_count=self.prefetch)
+                self._queue = await self._declare(self._channel)
+                await self._consume()
+                break
+            except (asyncio.CancelledError, aiormq.exceptions.AMQPConnectionError,
+                    aio_pika.exceptions.ChannelInvalidStateError) as exc:
+                # The broker closed the connection while the channel and queues were being set up (a
+                # restart, an operator, a failover): start over on a new one, a few times. A queue that
+                # is missing or declared otherwise closes the channel, not the connection: not retried.
+                # aiormq cancels the calls in flight on a closed connection: a CancelledError is the
+                # broker's unless this task is being cancelled itself (a stop during start-up).
+                task = asyncio.current_task()
+                if isinstance(exc, asyncio.CancelledError) and task is not None and task.cancelling():
+                    raise
+                connection, self._connection, self._channel = self._connection, None, None
+                with contextlib.suppress(Exception):
+                    await connection.close()
+                if attempt == START_ATTEMPTS:
+                    raise ConfigurationError(f"{self.name}: the broker kept closing the connection while the"
+                                             f" queues were being set up ({type(exc).__name__})") from exc
+                delay = 0.2 * 2 ** (attempt - 1)
+                log.warning("%s: the broker closed the connection during start-up (%s); connecting again in"
+                            " %.1f s", self.name, type(exc).__name__, delay)
+                await asyncio.sleep(delay)
         if isinstance(self._channel, aio_pika.RobustChannel):
             # A robust channel reopens after a broker restart or a dropped connection, and declares
             # its queues again; the consumer is ours to start again (see _consume).

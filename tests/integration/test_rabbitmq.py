@@ -4,6 +4,7 @@ close, and two workers sharing a queue."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import secrets
 from collections.abc import AsyncIterator
 from typing import Any
@@ -159,6 +160,37 @@ async def test_recovers_after_the_broker_closes_the_connection(pg: str, queue: s
         await asyncio.sleep(0.3)
         assert await counts(app) == (600, 600)
     assert await depth(queue) == 0
+
+
+async def test_a_broker_cut_during_start_up_is_connected_again(pg: str, queue: str, monkeypatch: pytest.MonkeyPatch,
+                                                            caplog: pytest.LogCaptureFixture) -> None:
+    """The broker closes the source's connection while it sets up its queues (a restart, an operator),
+    with calls in flight: the start-up opens a new connection and goes on, instead of ending the worker
+    (without the retry, aiormq's cancellation of the calls in flight ended the start-up)."""
+    app, _ = worker(make_settings(pg, db_pool_size=5), queue, "a")
+    declare, cuts = RabbitMQSource._declare, []
+
+    async def declare_after_a_cut(self: RabbitMQSource, channel: Any) -> Any:
+        if not cuts:
+            cut = asyncio.ensure_future(asyncio.to_thread(close_connections_named, self.name))
+            try:
+                while not cut.done():  # declaring over and over while the broker closes the connection
+                    await declare(self, channel)
+            finally:
+                cuts.append(await cut)
+        return await declare(self, channel)
+
+    monkeypatch.setattr(RabbitMQSource, "_declare", declare_after_a_cut)
+    with caplog.at_level(logging.WARNING, logger="consumer_kit.sources.rabbitmq"):
+        async with app.running():
+            await publish(queue, [(f"c-{i}", f"c-{i}".encode()) for i in range(20)])
+
+            async def done() -> bool:
+                return (await counts(app))[1] == 20 and await depth(queue) == 0
+
+            await wait_until(done, 30, "20 effects after the cut")
+    assert cuts == [1]
+    assert "the broker closed the connection during start-up" in caplog.text
 
 
 async def test_two_workers_share_a_queue(pg: str, queue: str) -> None:
