@@ -236,12 +236,10 @@ class RabbitMQSource(EnvelopedSource):
                 # is missing or declared otherwise closes the channel, not the connection: not retried.
                 # aiormq cancels the calls in flight on a closed connection: a CancelledError is the
                 # broker's unless this task is being cancelled itself (a stop during start-up).
+                await self._drop_connection()
                 task = asyncio.current_task()
                 if isinstance(exc, asyncio.CancelledError) and task is not None and task.cancelling():
                     raise
-                connection, self._connection, self._channel = self._connection, None, None
-                with contextlib.suppress(Exception):
-                    await connection.close()
                 if attempt == START_ATTEMPTS:
                     raise ConfigurationError(f"{self.name}: the broker kept closing the connection while the"
                                              f" queues were being set up ({type(exc).__name__})") from exc
@@ -249,6 +247,9 @@ class RabbitMQSource(EnvelopedSource):
                 log.warning("%s: the broker closed the connection during start-up (%s); connecting again in"
                             " %.1f s", self.name, type(exc).__name__, delay)
                 await asyncio.sleep(delay)
+            except BaseException:  # a queue missing or declared otherwise: nothing of this start is kept
+                await self._drop_connection()
+                raise
         if isinstance(self._channel, aio_pika.RobustChannel):
             # A robust channel reopens after a broker restart or a dropped connection, and declares
             # its queues again; the consumer is ours to start again (see _consume).
@@ -466,12 +467,15 @@ class RabbitMQSource(EnvelopedSource):
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
                 await self._settlements.drained()
-        if self._connection is not None:
-            connection, self._connection = self._connection, None
+        await self._drop_connection()
+        self._queue = None
+        self._dispatch = self._soon = None
+
+    async def _drop_connection(self) -> None:
+        connection, self._connection, self._channel = self._connection, None, None
+        if connection is not None:
             with contextlib.suppress(Exception):
                 await connection.close()
-        self._channel = self._queue = None
-        self._dispatch = self._soon = None
 
 
 class _Settlements:

@@ -9,6 +9,7 @@ import secrets
 from collections.abc import AsyncIterator
 from typing import Any
 
+import aio_pika
 import pytest
 from sqlalchemy import Column, Integer, MetaData, String, Table, distinct, func, select
 
@@ -162,25 +163,33 @@ async def test_recovers_after_the_broker_closes_the_connection(pg: str, queue: s
     assert await depth(queue) == 0
 
 
+def cut_while_declaring(monkeypatch: pytest.MonkeyPatch, name: str) -> list[int]:
+    """Have the broker close the connection named ``name`` while the first queue declaration is in
+    flight (declaring over and over until the close went through); returns the list the number of
+    connections closed is appended to. Patches aio-pika's public ``RobustChannel.declare_queue``."""
+    declare, cuts = aio_pika.RobustChannel.declare_queue, []
+
+    async def declare_during_a_cut(self: aio_pika.RobustChannel, *args: Any, **kwargs: Any) -> Any:
+        if not cuts:
+            cut = asyncio.ensure_future(asyncio.to_thread(close_connections_named, name))
+            try:
+                while not cut.done():
+                    await declare(self, *args, **kwargs)
+            finally:
+                cuts.append(await cut)
+        return await declare(self, *args, **kwargs)
+
+    monkeypatch.setattr(aio_pika.RobustChannel, "declare_queue", declare_during_a_cut)
+    return cuts
+
+
 async def test_a_broker_cut_during_start_up_is_connected_again(pg: str, queue: str, monkeypatch: pytest.MonkeyPatch,
                                                             caplog: pytest.LogCaptureFixture) -> None:
     """The broker closes the source's connection while it sets up its queues (a restart, an operator),
     with calls in flight: the start-up opens a new connection and goes on, instead of ending the worker
     (without the retry, aiormq's cancellation of the calls in flight ended the start-up)."""
-    app, _ = worker(make_settings(pg, db_pool_size=5), queue, "a")
-    declare, cuts = RabbitMQSource._declare, []
-
-    async def declare_after_a_cut(self: RabbitMQSource, channel: Any) -> Any:
-        if not cuts:
-            cut = asyncio.ensure_future(asyncio.to_thread(close_connections_named, self.name))
-            try:
-                while not cut.done():  # declaring over and over while the broker closes the connection
-                    await declare(self, channel)
-            finally:
-                cuts.append(await cut)
-        return await declare(self, channel)
-
-    monkeypatch.setattr(RabbitMQSource, "_declare", declare_after_a_cut)
+    app, source = worker(make_settings(pg, db_pool_size=5), queue, "a")
+    cuts = cut_while_declaring(monkeypatch, source.name)
     with caplog.at_level(logging.WARNING, logger="consumer_kit.sources.rabbitmq"):
         async with app.running():
             await publish(queue, [(f"c-{i}", f"c-{i}".encode()) for i in range(20)])
@@ -191,6 +200,39 @@ async def test_a_broker_cut_during_start_up_is_connected_again(pg: str, queue: s
             await wait_until(done, 30, "20 effects after the cut")
     assert cuts == [1]
     assert "the broker closed the connection during start-up" in caplog.text
+
+
+@pytest.mark.parametrize("when", ["waiting to connect again", "declaring"])
+async def test_a_cancelled_start_up_ends_cancelled_and_leaves_no_connection(
+        pg: str, queue: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, when: str) -> None:
+    """A stop signal during start-up cancels it. Cancelled in the wait after a broker cut, or while a
+    queue declaration is in flight (where aiormq's own cancellations are taken for the broker's), the
+    start-up ends with the cancellation, and leaves no connection open to the broker or the database."""
+    app, source = worker(make_settings(pg, db_pool_size=5), queue, "a")
+    starting: asyncio.Future[None] | None = None
+    if when == "declaring":
+        declare = aio_pika.RobustChannel.declare_queue
+
+        async def cancelled_while_declaring(self: aio_pika.RobustChannel, *args: Any, **kwargs: Any) -> Any:
+            assert starting is not None
+            starting.cancel()
+            return await declare(self, *args, **kwargs)
+
+        monkeypatch.setattr(aio_pika.RobustChannel, "declare_queue", cancelled_while_declaring)
+    else:
+        cut_while_declaring(monkeypatch, source.name)
+    with caplog.at_level(logging.WARNING, logger="consumer_kit.sources.rabbitmq"):
+        starting = asyncio.ensure_future(app.start())
+        if when != "declaring":
+            while "connecting again" not in caplog.text:
+                assert not starting.done(), starting
+                await asyncio.sleep(0.01)
+            starting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await starting
+    assert await asyncio.to_thread(close_connections_named, source.name) == 0
+    with pytest.raises(RuntimeError, match="not started"):  # the start-up's stop disposed of the engine
+        _ = app.engine
 
 
 async def test_two_workers_share_a_queue(pg: str, queue: str) -> None:
