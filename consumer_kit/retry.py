@@ -95,3 +95,8 @@ class RetryBudget:
             return None
         self.attempt += 1
         return delay
+
+
+START_UP = RetryPolicy(attempts=5, total_seconds=10.0, base_backoff=0.4, max_backoff=3.2)
+"""How a worker's start-up opens again a connection the other side ended while it was being set up
+(the database's schema check, a RabbitMQ source's queues): five attempts within ten seconds."""

@@ -82,6 +82,7 @@ from consumer_kit.delivery import (
 from consumer_kit.errors import ConfigurationError
 from consumer_kit.keys import KeyDigester
 from consumer_kit.replay import REPLAY_HEADER, Send, unseal
+from consumer_kit.retry import START_UP
 from consumer_kit.settings import Settings
 from consumer_kit.store.outbox import OutboxMessage
 from consumer_kit.tracing import SpanShape
@@ -100,8 +101,6 @@ UNREADABLE = "unreadable"
 DEFAULT_RETRY_DELAYS = (1.0, 5.0, 30.0, 120.0)
 SETTLE_TIMEOUT_SECONDS = 10.0  # how long close() waits for acks and copies already under way
 CONNECT_TIMEOUT_SECONDS = 5.0
-START_ATTEMPTS = 5
-"""Connections a source opens in all when the broker closes each while the queues are set up."""
 FAILED_CONNECT_REUSE_SECONDS = 1.0  # AmqpPublisher: how long a failed connect answers later publishes
 _BOOKKEEPING = (ATTEMPT_HEADER, REASON_HEADER, SOURCE_QUEUE_HEADER, NO_ID_HEADER, REPLAY_HEADER)
 
@@ -217,7 +216,8 @@ class RabbitMQSource(EnvelopedSource):
         self._dispatch = dispatch
         self._soon = dispatch.soon if isinstance(dispatch, DispatchSoon) else None
         self._replays = settings.digester()
-        for attempt in range(1, START_ATTEMPTS + 1):
+        budget = START_UP.budget()
+        while True:
             try:
                 self._connection = await aio_pika.connect_robust(
                     url, timeout=CONNECT_TIMEOUT_SECONDS, client_properties={"connection_name": self.name})
@@ -240,10 +240,10 @@ class RabbitMQSource(EnvelopedSource):
                 task = asyncio.current_task()
                 if isinstance(exc, asyncio.CancelledError) and task is not None and task.cancelling():
                     raise
-                if attempt == START_ATTEMPTS:
+                delay = budget.next_delay()
+                if delay is None:
                     raise ConfigurationError(f"{self.name}: the broker kept closing the connection while the"
                                              f" queues were being set up ({type(exc).__name__})") from exc
-                delay = 0.2 * 2 ** (attempt - 1)
                 log.warning("%s: the broker closed the connection during start-up (%s); connecting again in"
                             " %.1f s", self.name, type(exc).__name__, delay)
                 await asyncio.sleep(delay)

@@ -33,6 +33,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from consumer_kit.errors import ConfigurationError, DatabaseUnavailable, SchemaOutOfDate
 from consumer_kit.extras import missing_extra
+from consumer_kit.retry import START_UP
 from consumer_kit.store.diagnosis import dropped_because, safe_url, unavailable
 
 log = logging.getLogger("consumer_kit.store")
@@ -238,20 +239,17 @@ async def app_revisions(engine: AsyncEngine, app: AppMigrations) -> tuple[str | 
         return await conn.run_sync(_current, app.version_table), head
 
 
-START_ATTEMPTS = 5
-"""How many times :func:`ensure_schema` opens a connection that the server ends meanwhile."""
-
-
 async def ensure_schema(engine: AsyncEngine, *, app: AppMigrations | None = None) -> None:
     """Upgrade SQLite in place (the app's migrations too); refuse to run on an out-of-date PostgreSQL
     schema (consumer-kit's or the app's).
 
     A worker's first statement meets whatever the database is going through. A connection the server
     ends while it is in use (an administrator's cut, a failover) or cannot serve yet (a server still
-    starting) is opened again, up to ``START_ATTEMPTS`` times over about three seconds, each time with
-    a warning. Anything else (a refused port or login, a missing database or schema) is reported at
-    once: waiting cannot fix it, and the one-line error says what will."""
-    for attempt in range(1, START_ATTEMPTS + 1):
+    starting) is opened again as :data:`~consumer_kit.retry.START_UP` allows (five attempts within ten
+    seconds), each time with a warning. Anything else (a refused port or login, a missing database or
+    schema) is reported at once: waiting cannot fix it, and the one-line error says what will."""
+    budget = START_UP.budget()
+    while True:
         try:
             if engine.dialect.name == "sqlite":
                 await upgrade(engine, app=app)
@@ -260,9 +258,9 @@ async def ensure_schema(engine: AsyncEngine, *, app: AppMigrations | None = None
             return
         except Exception as exc:
             why = dropped_because(exc)
-            if why is None or attempt == START_ATTEMPTS:
+            delay = None if why is None else budget.next_delay()
+            if delay is None:
                 raise
-            delay = 0.2 * 2 ** (attempt - 1)
             log.warning("the database at %s: %s; opening a connection again in %.1f s", safe_url(engine.url), why,
                         delay)
             await asyncio.sleep(delay)
