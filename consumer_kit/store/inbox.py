@@ -161,11 +161,13 @@ class Inbox:
     async def claim(self, ex: Executor, consumer: str, digests: Sequence[str], fingerprint: str, *,
                     namespace: str, version: int, creation: Creation | None = None,
                     read_first: bool = False) -> Claim:
-        """The first of a delivery's two transactions, in autocommit: take the lease on a new or abandoned
-        key, or report what holds it. ``digests[0]`` is the digest under the current HMAC key; a row written under the
-        previous one is still honoured. ``creation`` (PostgreSQL) commits in the claim's statement when,
-        and only when, the claim takes the lease; its row is ``Claim.carried``. ``read_first``: look
-        the key up before claiming it on PostgreSQL too (cheaper when duplicates are common)."""
+        """The first of a delivery's two transactions, in autocommit (never inside a transaction: on
+        PostgreSQL a lease alone commits without waiting for its flush, see ``sql.CLAIM``): take the lease
+        on a new or abandoned key, or report what holds it. ``digests[0]`` is the digest under the current
+        HMAC key; a row written under the previous one is still honoured. ``creation`` (PostgreSQL)
+        commits in the claim's statement when, and only when, the claim takes the lease; its row is
+        ``Claim.carried``. ``read_first``: look the key up before claiming it on PostgreSQL too (cheaper
+        when duplicates are common)."""
         digest = digests[0]
         expired = False  # the row's lease ran out rather than being given back
         if not self._pg or len(digests) > 1 or read_first:

@@ -116,8 +116,21 @@ _CLAIM_COLUMNS = (
     " r.locked_until AS inbox_locked_until, r.attempts AS inbox_attempts, r.result AS inbox_result,"
     " EXISTS (SELECT 1 FROM tomb) AS tombstoned"
 )
-_CLAIM_FROM = "(SELECT 1) AS inbox_one LEFT JOIN inbox_row r ON true"
-CLAIM = Statement(f"WITH {_CLAIM_CTES} SELECT {_CLAIM_COLUMNS} FROM {_CLAIM_FROM}")  # PostgreSQL only
+_CLAIM_FROM = "{one} AS inbox_one LEFT JOIN inbox_row r ON true"
+# A lease alone commits without waiting for its WAL to reach the disk: ``synchronous_commit`` is off for
+# the claim's own transaction (``set_config(..., true)`` ends with it; PostgreSQL keeps a volatile
+# column of a subquery, so the setting is made even though no column reads it). The claim is visible to
+# every other claimer at once, as before; only a crash of the database server can lose it (the last
+# fraction of a second of such commits). That is a lease ended early, which the design survives
+# anyway: the connection the delivery holds dies with the server, so its completion cannot commit;
+# were the lease lost while it lived, the completion's ``WHERE lease_token = ours`` would match nothing
+# and roll the effect back. And a completion that commits flushes the WAL up to itself, the claim's
+# record included. On a host whose disk flushes are slow this takes one of the two-transaction path's
+# two flushes away. A claim carrying a session's creation stays durable (the session may be used
+# outside the database before the completion commits).
+_LEASE_ONLY = "(SELECT set_config('synchronous_commit', 'off', true))"
+CLAIM = Statement(  # PostgreSQL only
+    f"WITH {_CLAIM_CTES} SELECT {_CLAIM_COLUMNS} FROM {_CLAIM_FROM.format(one=_LEASE_ONLY)}")
 
 # The single-transaction claim, inside the handler's transaction: a new key's row is inserted already
 # completed, so the effect and the record commit together or not at all.
@@ -471,7 +484,8 @@ assert not _names(_COMPLETE) & {"resource_id", "tenant", "application"}, "comple
 
 CLAIM_CREATING_SESSION = Statement(
     f"WITH {_CLAIM_CTES}, {_creation_ctes(' AND EXISTS (SELECT 1 FROM anchor)')}"
-    f" SELECT {_CLAIM_COLUMNS}, {_CREATION_COLUMNS} FROM {_CLAIM_FROM}, {_CREATION_FROM}"
+    f" SELECT {_CLAIM_COLUMNS}, {_CREATION_COLUMNS}"
+    f" FROM {_CLAIM_FROM.format(one='(SELECT 1)')}, {_CREATION_FROM}"
 )
 COMPLETE_ENDING_SESSION = Statement(
     f"WITH anchor AS ({_COMPLETE} RETURNING 1),"

@@ -11,7 +11,7 @@ from typing import Literal
 
 import pytest
 from prometheus_client import REGISTRY
-from sqlalchemy import Column, Integer, MetaData, String, Table, func, select
+from sqlalchemy import Column, Integer, MetaData, String, Table, func, select, text
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from consumer_kit import (
@@ -184,6 +184,30 @@ async def test_takeover_after_crash_and_late_completion_rolls_back(target: Targe
         assert len(runs1) == 1 and len(runs2) == 1
         assert await effect_count(app1) == 1  # the late holder's insert was rolled back
         assert (await source1.deliver(id="msg-0004", body=b'{"key": "T-4"}')).outcome is Outcome.DUPLICATE
+
+
+async def test_a_lease_the_database_lost_rolls_the_effect_back(target: Target) -> None:
+    """A claim commits without waiting for its flush to disk (PostgreSQL), so a crash of the database
+    server can lose it: the row is gone while the handler runs. Its completion then matches nothing, the
+    effect rolls back, and the redelivery claims the key afresh and runs it once."""
+    lost: list[bool] = []
+
+    async def lose_the_lease(ctx: Context) -> None:
+        if not lost:
+            lost.append(True)
+            async with app.engine.begin() as conn:
+                assert (await conn.execute(text("DELETE FROM inbox"))).rowcount == 1
+
+    app, source, runs = build(target, before=lose_the_lease)
+    async with app.running():
+        await make_effects_table(app)
+        late = await source.deliver(id="msg-0009", body=b'{"key": "T-9"}')
+        assert (late.outcome, late.settlement) == (Outcome.LEASE_LOST, Settlement.RETRY_LATER)
+        assert await effect_count(app) == 0
+        again = await source.deliver(id="msg-0009", body=b'{"key": "T-9"}')
+        assert (again.outcome, again.settlement) == (Outcome.PROCESSED, Settlement.ACK)
+        assert len(runs) == 2 and await effect_count(app) == 1
+        assert (await source.deliver(id="msg-0009", body=b'{"key": "T-9"}')).outcome is Outcome.DUPLICATE
 
 
 async def test_heartbeat_keeps_a_long_handler_alive(target: Target) -> None:

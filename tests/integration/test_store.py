@@ -25,7 +25,9 @@ from consumer_kit.store import (
     upgrade,
 )
 from consumer_kit.store.database import VERSION_TABLE
+from consumer_kit.store.executor import Executor
 from consumer_kit.store.receipts import Creation, ReceiptStore, Scope
+from consumer_kit.store.sql import Statement
 from consumer_kit.testing import InMemorySource
 from tests.conftest import TEST_HMAC_KEY, make_settings, run_in_thread
 from tests.integration.deadlocks import deadlocked
@@ -397,6 +399,35 @@ async def test_the_schema_check_opens_again_a_connection_the_server_ended(
     assert len(said) == 1, said
     assert "opening a connection again" in said[0] and \
         ("ended the connection" in said[0] or "connection was lost" in said[0]), said
+
+
+async def test_a_lease_alone_commits_without_waiting_for_its_flush(pg_store: Database) -> None:
+    """The claim turns ``synchronous_commit`` off for its own transaction and for nothing after it: the
+    delivery's second transaction (its effect and completion) on the same connection commits durably.
+    A claim carrying a session's creation stays durable."""
+    store = Inbox(pg_store, lease_seconds=30, retention_seconds=3600)
+    receipts = ReceiptStore(pg_store, clock=lambda: datetime.now(UTC))
+    scope = Scope("t", "a", "session")
+    await receipts.open_scope(scope)
+    creation = receipts.prepare(scope, "d".ljust(64, "0"), "request-fp", kind="session", ttl=timedelta(hours=1),
+                                retention=timedelta(days=1), generated=False, cap=1600)
+    setting = Statement("SELECT current_setting('synchronous_commit') AS mode")
+
+    async def claimed(ex: Executor, name: str, **kw: object) -> str:
+        """Claim ``name`` in a transaction of its own; the setting the claim left in it."""
+        async with ex.begin():
+            found = await store.claim(ex, "c", [name.ljust(64, "0")], "fp", namespace="ns", version=1,
+                                      **kw)  # type: ignore[arg-type]
+            assert found.acquired
+            return str((await ex.fetch_one(setting, {}))["mode"])  # type: ignore[index]
+
+    async with pg_store.connect() as ex:
+        assert await claimed(ex, "lease") == "off"
+        assert (await ex.fetch_one(setting, {}))["mode"] == "on"  # type: ignore[index]
+        # In autocommit, as the pipeline claims: the statement's own transaction ends with it.
+        assert (await store.claim(ex, "c", ["auto".ljust(64, "0")], "fp", namespace="ns", version=1)).acquired
+        assert (await ex.fetch_one(setting, {}))["mode"] == "on"  # type: ignore[index]
+        assert await claimed(ex, "ride", creation=creation) == "on"
 
 
 async def test_lookups_under_way_at_once_are_read_together(pg_store: Database) -> None:
