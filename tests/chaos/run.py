@@ -1,13 +1,15 @@
 """The chaos run: a real worker on RabbitMQ and PostgreSQL, killed and cut off while it works.
 
-For one path (``default``, ``single``, ``outbox``): publish ``messages`` distinct messages plus 10%
-duplicates (the same ``message_id`` sent again), run ``consumer-kit run tests.chaos.worker:app``, and
-while it consumes: SIGKILL it ``kills`` times at random moments (starting it again each time), have the
-broker close its connections once, and terminate its database backends once. Then let it finish, stop
-it with SIGTERM and count: effects lost and doubled, messages left in the queues, messages unacked,
-parked deliveries, and (outbox) the distinct message ids that reached the downstream queue.
+For one path (``default``, ``single``, ``batch``, ``outbox``): publish ``messages`` distinct messages
+plus 10% duplicates (the same ``message_id`` sent again), run ``consumer-kit run
+tests.chaos.worker:app``, and while it consumes: SIGKILL it ``kills`` times at random points of its
+progress (starting it again each time), have the broker close its connections once, and terminate its
+database backends once (or, ``--crash``, crash the database server, one of the run's own, and start it
+again). Then let it finish, stop it with SIGTERM and count: effects lost and doubled, messages left in
+the queues, messages unacked, parked deliveries, and (outbox) the distinct message ids that reached the
+downstream queue.
 
-``python -m tests.chaos.run [--messages 10000] [--kills 6] [--runs 3] [--paths default,single,outbox]``
+``python -m tests.chaos.run [--messages 10000] [--kills 6] [--runs 3] [--paths default,single,outbox] [--crash]``
 prints one line per run; the test suite runs a small size of it (tests/chaos/test_chaos.py).
 """
 
@@ -28,6 +30,7 @@ from pathlib import Path
 import aio_pika
 import asyncpg
 
+from tests.chaos.server import OwnServer
 from tests.integration.rabbit import close_connections_named
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -49,6 +52,8 @@ class Report:
     parked: int
     downstream_distinct: int | None
     seconds: float
+    crashed: bool = False  # the database server was crashed, not its backends terminated
+    done_at_fault: int = 0  # effects committed when the database was cut or crashed
 
     @property
     def clean(self) -> bool:
@@ -58,9 +63,11 @@ class Report:
     def line(self) -> str:
         downstream = "" if self.downstream_distinct is None else f" downstream distinct ids {self.downstream_distinct}"
         return (f"{self.path:8s} {self.messages} messages ({self.published} published with duplicates),"
-                f" {self.kills} SIGKILLs + 1 broker cut + 1 database cut: lost {self.lost}, doubled"
+                f" {self.kills} SIGKILLs + 1 broker cut + 1 database {'crash' if self.crashed else 'cut'}:"
+                f" lost {self.lost}, doubled"
                 f" {self.doubled}, left in queue {self.left_in_queue}, unacked {self.unacked}, parked"
-                f" {self.parked}{downstream} ({self.seconds:.0f} s) -> {'OK' if self.clean else 'FAILED'}")
+                f" {self.parked}{downstream}; the database fault came after {self.done_at_fault} effects"
+                f" ({self.seconds:.0f} s) -> {'OK' if self.clean else 'FAILED'}")
 
 
 def _queue_counts(prefix: str) -> tuple[int, int]:
@@ -144,15 +151,31 @@ async def _delete_queues(queue: str) -> None:
                 pass
 
 
+async def _done(db: asyncpg.Connection, at_least: float, *, patience: float = 120) -> int:
+    """Wait until ``at_least`` effects are committed (or ``patience`` seconds pass: the final count then
+    tells what was lost); the count."""
+    deadline = time.monotonic() + patience
+    while True:
+        done = int(await db.fetchval("SELECT count(*) FROM chaos_effects"))
+        if done >= at_least or time.monotonic() > deadline:
+            return done
+        await asyncio.sleep(0.05)
+
+
 async def run(path: str, messages: int, kills: int, *, settle_seconds: float = 900, log_dir: Path | None = None,
-              seed: int | None = None) -> Report:
-    """One chaos run (see the module docstring)."""
+              seed: int | None = None, crash: bool = False) -> Report:
+    """One chaos run (see the module docstring); ``crash``: on a server of its own (:class:`OwnServer`),
+    crashed and started again instead of having its backends terminated."""
     rng = random.Random(seed)
     token = secrets.token_hex(4)
     database, queue = f"ck_chaos_{token}", f"ck-chaos-{token}"
-    admin = await asyncpg.connect(PG_ADMIN)
+    server = OwnServer() if crash else None
+    if server is not None:
+        await asyncio.to_thread(server.start)
+    admin_url = PG_ADMIN if server is None else server.admin_url
+    admin = await asyncpg.connect(admin_url)
     await admin.execute(f'CREATE DATABASE "{database}"')
-    url = PG_ADMIN.rsplit("/", 1)[0] + f"/{database}"
+    url = admin_url.rsplit("/", 1)[0] + f"/{database}"
     log = (log_dir or Path("/tmp")) / f"chaos-{path}-{token}.log"
     started = time.monotonic()
     try:
@@ -173,20 +196,33 @@ async def run(path: str, messages: int, kills: int, *, settle_seconds: float = 9
 
         worker = Worker(env, log)
         worker.start()
+        # Each fault fires when a share of the work is done, not after a time: on a fast host a timed
+        # fault came after the last message and proved nothing. Kill i near i/(kills + 2) of the way;
+        # the broker cut half a step after kill 2, the database fault half a step or more after kill 3.
+        step = messages / (kills + 2)
         cut_after, db_cut_after = min(2, kills), min(3, kills)
+        done_at_fault = 0
+        broker_cut: asyncio.Task[int] | None = None
         for number in range(1, kills + 1):
-            await asyncio.sleep(rng.uniform(1.5, 4.0))
+            await _done(db, step * (number + rng.uniform(-0.3, 0.3)))
             worker.kill()
             worker.start()
-            if number == cut_after:
-                await asyncio.sleep(rng.uniform(1.5, 3.0))
-                close_connections_named(f"{queue}-worker")
+            if number == cut_after:  # rabbitmqctl takes a second or two: the count is watched meanwhile
+                await _done(db, step * (number + 0.5))
+                broker_cut = asyncio.create_task(asyncio.to_thread(close_connections_named, f"{queue}-worker"))
             if number == db_cut_after:
-                await asyncio.sleep(rng.uniform(1.5, 3.0))
-                await db.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
-                                 " WHERE datname = current_database() AND pid <> pg_backend_pid()")
-                await db.close()
+                done_at_fault = await _done(db, step * (number + rng.uniform(0.5, 0.9)))
+                if server is not None:  # every server process quits at once; the start replays the WAL
+                    await asyncio.to_thread(server.crash)
+                    db.terminate()
+                    await asyncio.to_thread(server.start)
+                else:
+                    await db.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+                                     " WHERE datname = current_database() AND pid <> pg_backend_pid()")
+                    await db.close()
                 db = await asyncpg.connect(url)
+        if broker_cut is not None:
+            await broker_cut
 
         deadline = time.monotonic() + settle_seconds
         while True:
@@ -210,11 +246,15 @@ async def run(path: str, messages: int, kills: int, *, settle_seconds: float = 9
         ready, unacked = _queue_counts(queue)
         downstream = len(await _downstream_ids(queue) & set(ids)) if path == "outbox" else None
         return Report(path, messages, len(everything), kills, messages - distinct, rows - distinct, ready,
-                      unacked, parked, downstream, time.monotonic() - started)
+                      unacked, parked, downstream, time.monotonic() - started, crash, done_at_fault)
     finally:
         await _delete_queues(queue)
-        await admin.execute(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
-        await admin.close()
+        if server is not None:
+            admin.terminate()
+            await asyncio.to_thread(server.remove)
+        else:
+            await admin.execute(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
+            await admin.close()
 
 
 def main() -> int:
@@ -223,11 +263,12 @@ def main() -> int:
     parser.add_argument("--kills", type=int, default=6)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--paths", default="default,single,batch,outbox")
+    parser.add_argument("--crash", action="store_true", help="crash the database server instead of cutting it")
     args = parser.parse_args()
     clean = True
     for number in range(1, args.runs + 1):
         for path in args.paths.split(","):
-            report = asyncio.run(run(path, args.messages, args.kills))
+            report = asyncio.run(run(path, args.messages, args.kills, crash=args.crash))
             print(f"run {number}: {report.line()}", flush=True)
             clean &= report.clean
     return 0 if clean else 1
