@@ -58,24 +58,29 @@ async def queue_database() -> AsyncIterator[str]:
 
 class PeakConnections:
     """The most connections seen at once on one database while the block runs (sampled every 10 ms,
-    the sampler's own excluded): how benchmarks show that contenders used alike many."""
+    the sampler's own excluded): how benchmarks show that contenders used alike many. ``apart``: the
+    ``application_name`` of connections counted apart (``apart_peak``), for two contenders running
+    side by side."""
 
-    def __init__(self, dsn: str) -> None:
+    def __init__(self, dsn: str, *, apart: str | None = None) -> None:
         self.dsn = dsn
+        self.apart = apart
         self.peak = 0
+        self.apart_peak = 0
 
     @contextlib.asynccontextmanager
     async def watch(self) -> AsyncIterator[PeakConnections]:
-        self.peak = 0
+        self.peak = self.apart_peak = 0
         sampler = await asyncpg.connect(self.dsn)
         stop = asyncio.Event()
 
         async def sample() -> None:
             while not stop.is_set():
-                count = await sampler.fetchval(
-                    "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
-                    " AND pid <> pg_backend_pid()")
-                self.peak = max(self.peak, int(count))
+                total, apart = await sampler.fetchrow(
+                    "SELECT count(*), count(*) FILTER (WHERE application_name = $1) FROM pg_stat_activity"
+                    " WHERE datname = current_database() AND pid <> pg_backend_pid()", self.apart)
+                self.peak = max(self.peak, int(total) - int(apart))
+                self.apart_peak = max(self.apart_peak, int(apart))
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), 0.01)
 

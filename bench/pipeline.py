@@ -1,20 +1,23 @@
 """Issue 2's benchmark: the inbox pipeline on PostgreSQL against a hand-rolled asyncpg inbox consumer.
 
 Both sides do the same work per delivery: dedupe on an inbox row and insert one effect row, at the
-same concurrency, on the same server, in the same run. The hand-rolled consumer is what a careful
-team writes without a framework: ``INSERT ... ON CONFLICT DO NOTHING`` into an inbox table plus the
-effect row, one transaction per message. Handlers that write through ``ctx.db`` (SQLAlchemy, the
-default) are measured against the same consumer written with an SQLAlchemy ``AsyncSession``; each
-path's duplicates (the same ids again) against its own first deliveries.
+same concurrency, on the same server, in the same run, taking turns over the same minute. The
+hand-rolled consumer is what a careful team writes without a framework: ``INSERT ... ON CONFLICT DO
+NOTHING`` into an inbox table plus the effect row, one transaction per message. Handlers that write
+through ``ctx.db`` (SQLAlchemy, the default) are measured against the same consumer written with an
+SQLAlchemy ``AsyncSession``; each path's duplicates (the same ids again) against its own first
+deliveries.
 
 Run: ``python -m bench pipeline`` (``CK_BENCH_N``, ``CK_BENCH_ROUNDS``, ``CK_BENCH_POOL``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import statistics
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Literal
 
 import asyncpg
@@ -41,14 +44,23 @@ effects = Table(
 _INSERT_EFFECT = text("INSERT INTO bench_effects (ticket) VALUES (:t)")
 
 
-async def hand_rolled(url: str, ids: list[str], bodies: dict[str, bytes]) -> float:
-    pool = await asyncpg.create_pool(url, min_size=CONCURRENCY, max_size=CONCURRENCY)
+PEER = "bench-peer"  # the peers' application_name: their connections are counted apart
+CHUNKS = 4
+
+Consume = Callable[[str], Awaitable[None]]
+
+
+@contextlib.asynccontextmanager
+async def hand_rolled(url: str, bodies: dict[str, bytes]) -> AsyncIterator[Consume]:
+    """The peer: an asyncpg pool, an inbox table and an effect table, consuming one message id a call."""
+    pool = await asyncpg.create_pool(url, min_size=CONCURRENCY, max_size=CONCURRENCY,
+                                     server_settings={"application_name": PEER})
     assert pool is not None
-    await pool.execute("DROP TABLE IF EXISTS hr_inbox, hr_effects")
-    await pool.execute("CREATE TABLE hr_inbox (consumer text, message_id text, PRIMARY KEY (consumer, message_id))")
-    await pool.execute("CREATE TABLE hr_effects (id serial PRIMARY KEY, ticket text NOT NULL)")
+    await pool.execute("TRUNCATE hr_inbox, hr_effects")
+    consumed = 0
 
     async def consume(message_id: str) -> None:
+        nonlocal consumed
         async with pool.acquire() as conn, conn.transaction():
             status = await conn.execute(
                 "INSERT INTO hr_inbox (consumer, message_id) VALUES ($1, $2) ON CONFLICT DO NOTHING",
@@ -56,19 +68,21 @@ async def hand_rolled(url: str, ids: list[str], bodies: dict[str, bytes]) -> flo
             )
             if status == "INSERT 0 1":
                 await conn.execute("INSERT INTO hr_effects (ticket) VALUES ($1)", bodies[message_id][:20].decode())
+        consumed += 1
 
     try:
-        rate = await drive(ids, consume, CONCURRENCY)
-        assert await pool.fetchval("SELECT count(*) FROM hr_effects") == len(ids)
-        return rate
+        yield consume
+        assert await pool.fetchval("SELECT count(*) FROM hr_effects") == consumed
     finally:
         await pool.close()
 
 
-async def hand_rolled_sqlalchemy(async_url: str, ids: list[str], bodies: dict[str, bytes]) -> float:
+@contextlib.asynccontextmanager
+async def hand_rolled_sqlalchemy(async_url: str, bodies: dict[str, bytes]) -> AsyncIterator[Consume]:
     """The same consumer written with an SQLAlchemy ``AsyncSession``, as consumer-kit's handlers write:
     it shows how much of the gap to the asyncpg peer is SQLAlchemy's own cost, not the pipeline's."""
-    engine = create_async_engine(async_url, pool_size=CONCURRENCY // 2, max_overflow=CONCURRENCY // 2)
+    engine = create_async_engine(async_url, pool_size=CONCURRENCY // 2, max_overflow=CONCURRENCY // 2,
+                                 connect_args={"server_settings": {"application_name": PEER}})
     claim = text("INSERT INTO hr_inbox (consumer, message_id) VALUES (:c, :m) ON CONFLICT DO NOTHING")
     effect = text("INSERT INTO hr_effects (ticket) VALUES (:t)")
     async with engine.begin() as conn:
@@ -80,13 +94,16 @@ async def hand_rolled_sqlalchemy(async_url: str, ids: list[str], bodies: dict[st
                 await session.execute(effect, {"t": bodies[message_id][:20].decode()})
 
     try:
-        return await drive(ids, consume, CONCURRENCY)
+        yield consume
     finally:
         await engine.dispose()
 
 
-async def framework(url: str, ids: list[str], bodies: dict[str, bytes], *, single: bool,
-                    round_: int, driver: Literal["sqlalchemy", "asyncpg"] = "sqlalchemy") -> tuple[float, float]:
+@contextlib.asynccontextmanager
+async def framework(url: str, bodies: dict[str, bytes], *, single: bool, round_: int,
+                    driver: Literal["sqlalchemy", "asyncpg"] = "sqlalchemy") -> AsyncIterator[Consume]:
+    """A running app whose handler inserts the effect row as the matching peer does; delivers one
+    message id a call, asserting it was processed or a duplicate."""
     settings = Settings(
         database_url=url, idempotency_hmac_key="bench-hmac-key-0123456789abcdef",  # type: ignore[arg-type]
         # Half the peer's connections (the printed peaks): on a 2-core host both paths measured faster
@@ -118,11 +135,23 @@ async def framework(url: str, ids: list[str], bodies: dict[str, bytes], *, singl
             # harness's cost, not the framework's
             assert result.outcome is Outcome.PROCESSED or result.outcome is Outcome.DUPLICATE, result
 
-        first = await drive(ids, deliver, CONCURRENCY)
-        again = await drive(ids, deliver, CONCURRENCY)
+        yield deliver
         async with app.engine.begin() as conn:
             await conn.run_sync(lambda c: _metadata.drop_all(c))
-    return first, again
+
+
+async def side_by_side(ids: list[str], peer: Consume, ours: Consume) -> tuple[float, float]:
+    """The rates of ``peer`` and ``ours`` over ``ids``, in :data:`CHUNKS` turns each, in ABBA order
+    (peer, ours, ours, peer, ...): both sides are timed over the same stretch of the host's load. On a
+    small shared host the rate of one run swings by 15% or more within a minute, so a run of each
+    side one after the other (as this bench did before) could decide a ratio by its slow minute."""
+    size = -(-len(ids) // CHUNKS)
+    seconds = {peer: 0.0, ours: 0.0}
+    for turn in range(CHUNKS):
+        chunk = ids[turn * size:(turn + 1) * size]
+        for side in (peer, ours) if turn % 2 == 0 else (ours, peer):
+            seconds[side] += len(chunk) / await drive(chunk, side, CONCURRENCY)
+    return len(ids) / seconds[peer], len(ids) / seconds[ours]
 
 
 DUPLICATE_TARGET = 3.0  # a duplicate's rate over its path's first-delivery rate, on every driver
@@ -133,35 +162,36 @@ async def main() -> bool:
     logging.getLogger("consumer_kit").setLevel(logging.WARNING)
     ids = [f"m-{i:08d}" for i in range(N)]
     bodies = {i: f'{{"key": "T-{i}"}}'.encode() for i in ids}
-    # Each consumer-kit path runs right after its own run of the peer it is compared with, and each
-    # ratio is that pair's (or, for duplicates, the path's own first pass); the reported ratio is the
-    # median over rounds. On a small shared host the rate of one run swings by 20% or more within a
-    # minute: pairing runs that are seconds apart keeps a slow minute from deciding a ratio either way.
+    # Each consumer-kit path runs side by side with the peer it is compared with (see side_by_side),
+    # and each ratio is that pair's (or, for duplicates, the path's own first pass); the reported
+    # ratio is the median over rounds.
     rates: dict[str, list[float]] = {}
     peaks: dict[str, int] = {}
     async with scratch_database() as url:
-        watcher = PeakConnections(url)
+        watcher = PeakConnections(url, apart=PEER)
         async_url = url.replace("postgresql://", "postgresql+asyncpg://")
         engine = create_engine(async_url)
         await upgrade(engine)
+        async with engine.begin() as conn:
+            await conn.execute(text("CREATE TABLE hr_inbox (consumer text, message_id text,"
+                                    " PRIMARY KEY (consumer, message_id))"))
+            await conn.execute(text("CREATE TABLE hr_effects (id serial PRIMARY KEY, ticket text NOT NULL)"))
         await engine.dispose()
         for round_ in range(ROUNDS):
             for driver in ("asyncpg", "sqlalchemy"):
                 for path in ("two", "single"):
                     name = path if driver == "asyncpg" else f"{path} ctx.db"
-                    if driver == "asyncpg":
-                        async with watcher.watch():
-                            rates.setdefault("peer", []).append(await hand_rolled(url, ids, bodies))
-                        peaks["peer"] = max(peaks.get("peer", 0), watcher.peak)
-                    else:
-                        rates.setdefault("sqlalchemy peer", []).append(
-                            await hand_rolled_sqlalchemy(async_url, ids, bodies))
-                    rates.setdefault(f"{name} peer", []).append(rates["peer" if driver == "asyncpg" else
-                                                                      "sqlalchemy peer"][-1])
-                    async with watcher.watch():
-                        first, again = await framework(async_url, ids, bodies, single=path == "single",
-                                                       round_=round_, driver=driver)
+                    peer_name = "peer" if driver == "asyncpg" else "sqlalchemy peer"
+                    peer = hand_rolled(url, bodies) if driver == "asyncpg" else \
+                        hand_rolled_sqlalchemy(async_url, bodies)
+                    ours = framework(async_url, bodies, single=path == "single", round_=round_, driver=driver)
+                    async with peer as consume, ours as deliver, watcher.watch():
+                        peer_rate, first = await side_by_side(ids, consume, deliver)
+                        again = await drive(ids, deliver, CONCURRENCY)
+                    peaks[peer_name] = max(peaks.get(peer_name, 0), watcher.apart_peak)
                     peaks[name] = max(peaks.get(name, 0), watcher.peak)
+                    rates.setdefault(peer_name, []).append(peer_rate)
+                    rates.setdefault(f"{name} peer", []).append(peer_rate)
                     rates.setdefault(name, []).append(first)
                     rates.setdefault(f"{name} dup", []).append(again)
 
