@@ -54,6 +54,7 @@ class Report:
     seconds: float
     crashed: bool = False  # the database server was crashed, not its backends terminated
     done_at_fault: int = 0  # effects committed when the database was cut or crashed
+    done_at_cut: int = 0  # effects committed when the broker had closed the worker's connection
 
     @property
     def clean(self) -> bool:
@@ -66,7 +67,8 @@ class Report:
                 f" {self.kills} SIGKILLs + 1 broker cut + 1 database {'crash' if self.crashed else 'cut'}:"
                 f" lost {self.lost}, doubled"
                 f" {self.doubled}, left in queue {self.left_in_queue}, unacked {self.unacked}, parked"
-                f" {self.parked}{downstream}; the database fault came after {self.done_at_fault} effects"
+                f" {self.parked}{downstream}; the broker cut came after {self.done_at_cut} effects, the"
+                f" database fault after {self.done_at_fault}"
                 f" ({self.seconds:.0f} s) -> {'OK' if self.clean else 'FAILED'}")
 
 
@@ -151,15 +153,34 @@ async def _delete_queues(queue: str) -> None:
                 pass
 
 
-async def _done(db: asyncpg.Connection, at_least: float, *, patience: float = 120) -> int:
-    """Wait until ``at_least`` effects are committed (or ``patience`` seconds pass: the final count then
-    tells what was lost); the count."""
+async def _done(db: asyncpg.Connection, at_least: float, *, of: int, patience: float = 120) -> int:
+    """Wait until ``at_least`` effects are committed, or all ``of`` them (or ``patience`` seconds pass:
+    the final count then tells what was lost); the count."""
     deadline = time.monotonic() + patience
     while True:
         done = int(await db.fetchval("SELECT count(*) FROM chaos_effects"))
-        if done >= at_least or time.monotonic() > deadline:
+        if done >= min(at_least, of) or time.monotonic() > deadline:
             return done
         await asyncio.sleep(0.05)
+
+
+async def _cut_broker(url: str, name: str) -> int:
+    """Have the broker close the worker's connection (rabbitmqctl takes a second or two); the effects
+    committed by then, counted on a connection of its own (the database may be down for a moment)."""
+    closed = await asyncio.to_thread(close_connections_named, name)
+    assert closed > 0, f"no broker connection named {name} to close"
+    for attempt in range(20):
+        try:
+            counter = await asyncpg.connect(url)
+            try:
+                return int(await counter.fetchval("SELECT count(*) FROM chaos_effects"))
+            finally:
+                await counter.close()
+        except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError):
+            if attempt == 19:
+                raise
+            await asyncio.sleep(0.5)
+    raise AssertionError("unreachable")
 
 
 async def run(path: str, messages: int, kills: int, *, settle_seconds: float = 900, log_dir: Path | None = None,
@@ -178,6 +199,7 @@ async def run(path: str, messages: int, kills: int, *, settle_seconds: float = 9
     url = admin_url.rsplit("/", 1)[0] + f"/{database}"
     log = (log_dir or Path("/tmp")) / f"chaos-{path}-{token}.log"
     started = time.monotonic()
+    worker: Worker | None = None
     try:
         env = dict(os.environ, DATABASE_URL=url, IDEMPOTENCY_HMAC_KEY=HMAC_KEY, RABBITMQ_URL=AMQP_URL,
                    CHAOS_PATH=path, CHAOS_QUEUE=queue, INBOX_LEASE_SECONDS="2", SHUTDOWN_GRACE_SECONDS="5",
@@ -199,19 +221,25 @@ async def run(path: str, messages: int, kills: int, *, settle_seconds: float = 9
         # Each fault fires when a share of the work is done, not after a time: on a fast host a timed
         # fault came after the last message and proved nothing. Kill i near i/(kills + 2) of the way;
         # the broker cut half a step after kill 2, the database fault half a step or more after kill 3.
+        # Every fault also waits for the worker started last to have done a little of the work, so
+        # that it hits a worker that is consuming, not one still starting (a broker cut then found no
+        # connection to close).
         step = messages / (kills + 2)
         cut_after, db_cut_after = min(2, kills), min(3, kills)
         done_at_fault = 0
-        broker_cut: asyncio.Task[int] | None = None
+        done_at_cut = 0
+        restarted_at = 0
         for number in range(1, kills + 1):
-            await _done(db, step * (number + rng.uniform(-0.3, 0.3)))
+            await _done(db, max(step * (number + rng.uniform(-0.3, 0.3)), restarted_at + step / 5), of=messages)
             worker.kill()
+            restarted_at = await _done(db, 0, of=messages)
             worker.start()
-            if number == cut_after:  # rabbitmqctl takes a second or two: the count is watched meanwhile
-                await _done(db, step * (number + 0.5))
-                broker_cut = asyncio.create_task(asyncio.to_thread(close_connections_named, f"{queue}-worker"))
+            if number == cut_after:  # awaited: the next kill must not come while rabbitmqctl looks
+                await _done(db, max(step * (number + 0.5), restarted_at + step / 5), of=messages)
+                done_at_cut = await _cut_broker(url, f"{queue}-worker")
             if number == db_cut_after:
-                done_at_fault = await _done(db, step * (number + rng.uniform(0.5, 0.9)))
+                done_at_fault = await _done(db, max(step * (number + rng.uniform(0.5, 0.9)),
+                                                    restarted_at + step / 5), of=messages)
                 if server is not None:  # every server process quits at once; the start replays the WAL
                     await asyncio.to_thread(server.crash)
                     db.terminate()
@@ -221,8 +249,6 @@ async def run(path: str, messages: int, kills: int, *, settle_seconds: float = 9
                                      " WHERE datname = current_database() AND pid <> pg_backend_pid()")
                     await db.close()
                 db = await asyncpg.connect(url)
-        if broker_cut is not None:
-            await broker_cut
 
         deadline = time.monotonic() + settle_seconds
         while True:
@@ -246,8 +272,11 @@ async def run(path: str, messages: int, kills: int, *, settle_seconds: float = 9
         ready, unacked = _queue_counts(queue)
         downstream = len(await _downstream_ids(queue) & set(ids)) if path == "outbox" else None
         return Report(path, messages, len(everything), kills, messages - distinct, rows - distinct, ready,
-                      unacked, parked, downstream, time.monotonic() - started, crash, done_at_fault)
+                      unacked, parked, downstream, time.monotonic() - started, crash, done_at_fault,
+                      done_at_cut)
     finally:
+        if worker is not None and worker.process is not None and worker.process.poll() is None:
+            worker.kill()  # the run failed on the way: leave no worker behind
         await _delete_queues(queue)
         if server is not None:
             admin.terminate()
