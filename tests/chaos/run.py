@@ -55,6 +55,7 @@ class Report:
     crashed: bool = False  # the database server was crashed, not its backends terminated
     done_at_fault: int = 0  # effects committed when the database was cut or crashed
     done_at_cut: int = 0  # effects committed when the broker had closed the worker's connection
+    recovered: bool = False  # the crashed server replayed its WAL as it started again (crash runs)
 
     @property
     def clean(self) -> bool:
@@ -228,6 +229,7 @@ async def run(path: str, messages: int, kills: int, *, settle_seconds: float = 9
         cut_after, db_cut_after = min(2, kills), min(3, kills)
         done_at_fault = 0
         done_at_cut = 0
+        recovered = False
         restarted_at = 0
         for number in range(1, kills + 1):
             await _done(db, max(step * (number + rng.uniform(-0.3, 0.3)), restarted_at + step / 5), of=messages)
@@ -244,6 +246,7 @@ async def run(path: str, messages: int, kills: int, *, settle_seconds: float = 9
                     await asyncio.to_thread(server.crash)
                     db.terminate()
                     await asyncio.to_thread(server.start)
+                    recovered = "automatic recovery in progress" in server.log_tail(200)
                 else:
                     await db.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
                                      " WHERE datname = current_database() AND pid <> pg_backend_pid()")
@@ -273,7 +276,7 @@ async def run(path: str, messages: int, kills: int, *, settle_seconds: float = 9
         downstream = len(await _downstream_ids(queue) & set(ids)) if path == "outbox" else None
         return Report(path, messages, len(everything), kills, messages - distinct, rows - distinct, ready,
                       unacked, parked, downstream, time.monotonic() - started, crash, done_at_fault,
-                      done_at_cut)
+                      done_at_cut, recovered)
     finally:
         if worker is not None and worker.process is not None and worker.process.poll() is None:
             worker.kill()  # the run failed on the way: leave no worker behind

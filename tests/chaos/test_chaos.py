@@ -34,6 +34,7 @@ async def test_a_database_server_crash_loses_and_doubles_nothing(path: str, tmp_
     lease the crash lost (it commits without waiting for its flush) is a lease ended early."""
     report = await run(path, messages=6000, kills=3, settle_seconds=240, log_dir=tmp_path, crash=True)
     print(report.line())
+    assert report.recovered, "the server did not go through crash recovery"
     # the faults hit work under way
     assert report.done_at_cut < report.messages and report.done_at_fault < report.messages, report.line()
     assert (report.lost, report.doubled) == (0, 0), report.line()
