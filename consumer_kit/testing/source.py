@@ -12,17 +12,17 @@ class InMemorySource(CallIntake, KeyedSource):
 
     ``await source.deliver(id="m-1", body=b"...")`` runs the delivery through the app's pipeline and
     returns the :class:`Result`; every settlement is also kept in :attr:`settled`, and dead-lettered
-    deliveries in :attr:`dead_lettered`, as a broker's DLQ would keep them.
+    deliveries in :attr:`dead_lettered`, as a broker's DLQ would keep them. ``record=False`` keeps
+    none (a load test: kept, every delivery of a long run stays in memory, and the garbage collector
+    walks them all again and again).
     """
 
     def __init__(self, *, namespace: str, version: int, name: str | None = None,
-                 key_mapper: KeyMapper | None = None) -> None:
+                 key_mapper: KeyMapper | None = None, record: bool = True) -> None:
         super().__init__(namespace=namespace, version=version, key_mapper=key_mapper)
         self.name = name or f"memory:{namespace}"
         self.settled: list[tuple[Delivery, Result]] = []
-
-
-
+        self.record = record
 
     async def deliver(
         self,
@@ -45,7 +45,8 @@ class InMemorySource(CallIntake, KeyedSource):
         if self._dispatch is None:
             raise RuntimeError(f"source {self.name!r} is not running: deliver inside `async with app.running()`")
         result = await self._dispatch(delivery)
-        self.settled.append((delivery, result))
+        if self.record:
+            self.settled.append((delivery, result))
         return result
 
     @property

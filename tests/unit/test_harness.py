@@ -79,3 +79,23 @@ async def test_a_handler_whose_effect_escapes_its_transaction_fails_the_recipe(
         ("destination effects after 4 deliveries", "2 effects, all acked")]
     with pytest.raises(AssertionError, match="retry-safety recipe failed"):
         report.assert_ok()
+
+
+async def test_a_source_that_records_nothing_still_answers_each_delivery(consumer_kit_app: ConsumerApp) -> None:
+    """``record=False`` (a load test) keeps no settlement, dead-lettered ones included; each call still
+    returns its result, and a source that records keeps every one."""
+    quiet = InMemorySource(namespace="quiet", version=1, record=False)
+    kept = InMemorySource(namespace="kept", version=1)
+    for source in (quiet, kept):
+        @consumer_kit_app.handler(source)
+        async def nothing(ctx: Context) -> None:
+            pass
+
+    async with consumer_kit_app.running():
+        for source in (quiet, kept):
+            assert (await source.deliver(id="m-1", body=b"{}")).outcome.value == "processed"
+            assert (await source.deliver(id="m-1", body=b"{}")).outcome.value == "duplicate"
+            assert (await source.deliver(id=None, body=b"{}")).outcome.value == "invalid"
+    assert quiet.settled == [] and quiet.dead_lettered == []
+    assert [r.outcome.value for _, r in kept.settled] == ["processed", "duplicate", "invalid"]
+    assert len(kept.dead_lettered) == 1
