@@ -360,16 +360,21 @@ async def pg_store(request: pytest.FixtureRequest, pg_database: str) -> AsyncIte
         await engine.dispose()
 
 
+async def session_creation(database: Database) -> tuple[Scope, Creation]:
+    """A coordinator session's creation, ready for a claim to carry (its scope opened)."""
+    receipts = ReceiptStore(database, clock=lambda: datetime.now(UTC))
+    scope = Scope("t", "a", "session")
+    await receipts.open_scope(scope)
+    return scope, receipts.prepare(scope, "d".ljust(64, "0"), "request-fp", kind="session",
+                                   ttl=timedelta(hours=1), retention=timedelta(days=1), generated=False, cap=1600)
+
+
 async def test_a_claim_carrying_a_creation_that_loses_a_deadlock_is_run_again(pg_store: Database) -> None:
     """The claim's statement, carrying a session's creation, is aborted by PostgreSQL for a real deadlock
     (see :func:`~tests.integration.deadlocks.deadlocked`) and run again: the lease is taken, and the
     session created and counted once."""
     store = Inbox(pg_store, lease_seconds=30, retention_seconds=3600)
-    receipts = ReceiptStore(pg_store, clock=lambda: datetime.now(UTC))
-    scope = Scope("t", "a", "session")
-    await receipts.open_scope(scope)
-    creation = receipts.prepare(scope, "d".ljust(64, "0"), "request-fp", kind="session", ttl=timedelta(hours=1),
-                                retention=timedelta(days=1), generated=False, cap=1600)
+    scope, creation = await session_creation(pg_store)
     won = await deadlocked(pg_store.engine.url, scope, creation.digest, datetime.now(UTC), "WITH inbox_row",
                            claim(pg_store, store, "ride", creation=creation))
     assert won.acquired and won.carried is not None and won.carried["created"] == 1
@@ -406,11 +411,7 @@ async def test_a_lease_alone_commits_without_waiting_for_its_flush(pg_store: Dat
     delivery's second transaction (its effect and completion) on the same connection commits durably.
     A claim carrying a session's creation stays durable."""
     store = Inbox(pg_store, lease_seconds=30, retention_seconds=3600)
-    receipts = ReceiptStore(pg_store, clock=lambda: datetime.now(UTC))
-    scope = Scope("t", "a", "session")
-    await receipts.open_scope(scope)
-    creation = receipts.prepare(scope, "d".ljust(64, "0"), "request-fp", kind="session", ttl=timedelta(hours=1),
-                                retention=timedelta(days=1), generated=False, cap=1600)
+    _, creation = await session_creation(pg_store)
     setting = Statement("SELECT current_setting('synchronous_commit') AS mode")
 
     async def claimed(ex: Executor, name: str, **kw: object) -> str:
