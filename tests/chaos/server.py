@@ -3,8 +3,8 @@
 ``initdb`` into a temporary directory, listening on a free loopback port; :meth:`OwnServer.crash` stops
 it the way a crash does (``pg_ctl stop -m immediate``: every process quits at once, without a
 checkpoint, and the next start replays the WAL), losing whatever WAL was not yet handed to the kernel.
-The binaries are the ones the machine's PostgreSQL runs (``pg_config --bindir``); as root, they run as
-the ``postgres`` user (``initdb`` refuses root).
+The binaries are the newest server's under ``/usr/lib/postgresql`` (Debian's layout), else those of
+``pg_config --bindir``; as root, they run as the ``postgres`` user (``initdb`` refuses root).
 """
 
 from __future__ import annotations
@@ -17,10 +17,14 @@ import tempfile
 from pathlib import Path
 
 
+def _version(bindir: Path) -> tuple[int, ...]:
+    return tuple(int(part) for part in bindir.parent.name.split(".") if part.isdigit())
+
+
 def _bindir() -> Path:
-    for candidate in sorted(Path("/usr/lib/postgresql").glob("*/bin"), reverse=True):
-        if (candidate / "initdb").exists():
-            return candidate
+    installed = [path for path in Path("/usr/lib/postgresql").glob("*/bin") if (path / "initdb").exists()]
+    if installed:
+        return max(installed, key=_version)  # Debian's layout: the newest server installed
     found = shutil.which("pg_config")
     if found is None:
         raise RuntimeError("no PostgreSQL server binaries (initdb) on this machine")
