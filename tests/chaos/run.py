@@ -246,7 +246,8 @@ async def run(path: str, messages: int, kills: int, *, settle_seconds: float = 9
                     await asyncio.to_thread(server.crash)
                     db.terminate()
                     await asyncio.to_thread(server.start)
-                    recovered = "automatic recovery in progress" in server.log_tail(200)
+                    # the whole log: reconnecting workers' "starting up" lines can bury the line
+                    recovered = "automatic recovery in progress" in server.log()
                 else:
                     await db.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
                                      " WHERE datname = current_database() AND pid <> pg_backend_pid()")

@@ -67,9 +67,13 @@ class OwnServer:
                         "immediate", "stop"], capture_output=True, timeout=60, check=False)
         shutil.rmtree(self.directory, ignore_errors=True)
 
-    def log_tail(self, lines: int = 30) -> str:
+    def log(self) -> str:
+        """The server's log, every start of it."""
         log = self.directory / "log"
-        return "\n".join(log.read_text(errors="replace").splitlines()[-lines:]) if log.exists() else ""
+        return log.read_text(errors="replace") if log.exists() else ""
+
+    def log_tail(self, lines: int = 30) -> str:
+        return "\n".join(self.log().splitlines()[-lines:])
 
     def _pg(self, command: list[str]) -> None:
         done = subprocess.run([*self._as_postgres, str(self._bin / command[0]), *command[1:]], capture_output=True,
