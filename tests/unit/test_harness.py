@@ -86,16 +86,18 @@ async def test_a_source_that_records_nothing_still_answers_each_delivery(consume
     returns its result, and a source that records keeps every one."""
     quiet = InMemorySource(namespace="quiet", version=1, record=False)
     kept = InMemorySource(namespace="kept", version=1)
+    ran: list[str] = []
     for source in (quiet, kept):
         @consumer_kit_app.handler(source)
-        async def nothing(ctx: Context) -> None:
-            pass
+        async def note(ctx: Context) -> None:
+            ran.append(ctx.key.namespace)
 
     async with consumer_kit_app.running():
         for source in (quiet, kept):
             assert (await source.deliver(id="m-1", body=b"{}")).outcome.value == "processed"
             assert (await source.deliver(id="m-1", body=b"{}")).outcome.value == "duplicate"
             assert (await source.deliver(id=None, body=b"{}")).outcome.value == "invalid"
+    assert ran == ["quiet", "kept"]  # each source's new key ran once; the duplicate and the unkeyable did not
     assert quiet.settled == [] and quiet.dead_lettered == []
     assert [r.outcome.value for _, r in kept.settled] == ["processed", "duplicate", "invalid"]
     assert len(kept.dead_lettered) == 1
