@@ -41,8 +41,8 @@ from bench.common import queue_database, verdict
 from bench.rabbitmq import AMQP_URL, DB_CONNECTIONS, _delete, _fill, _hand_rolled
 from consumer_kit import Batch, ConsumerApp, Context, Settings
 from consumer_kit.keys import KeyDigester
+from consumer_kit.sources.rabbitmq import RabbitMQSource
 from consumer_kit.store import Database, Inbox, create_engine
-from sources.rabbitmq import RabbitMQSource
 
 MESSAGES = int(os.environ.get("CK_BENCH_BATCH_MESSAGES", "20000"))
 ROUNDS = int(os.environ.get("CK_BENCH_ROUNDS", "3"))

@@ -36,7 +36,7 @@ import asyncpg
 from bench.common import PeakConnections, queue_database, verdict
 from consumer_kit import ConsumerApp, Context, Settings
 from consumer_kit.coordinator import EmbeddedCoordinator
-from sources.rabbitmq import DEFAULT_RETRY_DELAYS, RabbitMQSource
+from consumer_kit.sources.rabbitmq import DEFAULT_RETRY_DELAYS, RabbitMQSource
 
 AMQP_URL = os.environ.get("CK_BENCH_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/")
 MESSAGES = int(os.environ.get("CK_BENCH_RABBITMQ_MESSAGES", "20000"))

@@ -40,9 +40,9 @@ import boto3
 
 from bench.common import queue_database, verdict
 from consumer_kit import ConsumerApp, Context, Delivery, Outcome, Result, Settings, Settlement
+from consumer_kit.sources.sqs import SQSSource
+from consumer_kit.sources.sqs.source import SETTLEMENTS
 from consumer_kit.testing.moto import moto_server
-from sources.sqs import SQSSource
-from sources.sqs.source import SETTLEMENTS
 
 MESSAGES = int(os.environ.get("CK_BENCH_SQS_MESSAGES", "500"))
 ROUNDS = int(os.environ.get("CK_BENCH_ROUNDS", "3"))

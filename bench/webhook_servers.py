@@ -23,7 +23,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from consumer_kit import ConsumerApp, Context, Settings
-from sources.webhooks import StandardWebhooksVerifier, WebhookSource
+from consumer_kit.sources.webhooks import StandardWebhooksVerifier, WebhookSource
 
 POOL = 32
 rows = Table(

@@ -20,8 +20,8 @@ from consumer_kit.coordinator.protocol import Coordinator, SessionRequest
 from consumer_kit.delivery import Decided, Delivery, ReportsReadiness, Result, Source, StoreSource
 from consumer_kit.errors import ConfigurationError, InvalidKey
 from consumer_kit.keys import OperationKey
+from consumer_kit.outbox import OutboxRelay, Publisher
 from consumer_kit.pipeline import Batch, Handler, HandlerSpec, Pipeline
-from consumer_kit.relay import OutboxRelay, Publisher
 from consumer_kit.retry import RetryPolicy
 from consumer_kit.settings import Settings
 from consumer_kit.store import DeadLetters, Inbox, Outbox, create_engine, ensure_schema, schema_revisions, utcnow
@@ -418,8 +418,8 @@ class ConsumerApp:
 
     def asgi(self) -> Starlette:
         """An ASGI app (Starlette) serving the HTTP sources, ``/healthz``, ``/readyz`` and ``/metrics``;
-        its lifespan runs this app. See :mod:`consumer_kit.asgi`."""
-        from consumer_kit.asgi import build  # Starlette is an optional dependency
+        its lifespan runs this app. See :mod:`consumer_kit.http.asgi`."""
+        from consumer_kit.http.asgi import build  # Starlette is an optional dependency
 
         return build(self)
 

@@ -15,7 +15,7 @@ import os
 from prometheus_client import Counter
 
 from consumer_kit import ConsumerApp, Context, Settings
-from sources.cloudevents import CloudEventsSource
+from consumer_kit.sources.cloudevents import CloudEventsSource
 
 log = logging.getLogger("examples.cloudevents_sink")
 EVENTS = Counter("cloudevents_example_events_total", "CloudEvents handled by the example, by type.", ["type"])

@@ -30,8 +30,8 @@ from zoneinfo import ZoneInfo
 from sqlalchemy import Column, Date, DateTime, Integer, MetaData, String, Table, func, select
 
 from consumer_kit import ConsumerApp, Context, Settings
+from consumer_kit.sources.schedules import Schedule, ScheduleDelivery
 from consumer_kit.store import create_engine
-from sources.schedules import Schedule, ScheduleDelivery
 
 BERLIN = ZoneInfo("Europe/Berlin")
 

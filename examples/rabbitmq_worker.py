@@ -25,8 +25,8 @@ import aio_pika
 from sqlalchemy import Column, Integer, MetaData, String, Table
 
 from consumer_kit import ConsumerApp, Context, Settings
+from consumer_kit.sources.rabbitmq import AmqpPublisher, RabbitMQSource
 from consumer_kit.store import create_engine
-from sources.rabbitmq import AmqpPublisher, RabbitMQSource
 
 ORDERS_QUEUE = os.environ.get("ORDERS_QUEUE", "orders")
 EVENTS_QUEUE = os.environ.get("EVENTS_QUEUE", f"{ORDERS_QUEUE}.events")

@@ -31,8 +31,8 @@ import boto3
 from sqlalchemy import Column, Integer, MetaData, String, Table
 
 from consumer_kit import ConsumerApp, Context, Settings
+from consumer_kit.sources.sqs import SqsPublisher, SQSSource
 from consumer_kit.store import create_engine
-from sources.sqs import SqsPublisher, SQSSource
 
 ORDERS_TOPIC = os.environ.get("ORDERS_TOPIC", "orders")
 ORDERS_QUEUE = os.environ.get("ORDERS_QUEUE", "orders")

@@ -38,9 +38,9 @@ from sqlalchemy import Column, DateTime, Integer, MetaData, String, Table, func,
 
 from consumer_kit import ConsumerApp, Context, Settings
 from consumer_kit.settings import local_secret
+from consumer_kit.sources.schedules import Schedule, ScheduleDelivery
+from consumer_kit.sources.webhooks import HmacVerifier, WebhookSource
 from consumer_kit.store import create_engine
-from sources.schedules import Schedule, ScheduleDelivery
-from sources.webhooks import HmacVerifier, WebhookSource
 
 log = logging.getLogger("examples.starter")
 

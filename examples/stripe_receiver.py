@@ -15,7 +15,7 @@ import os
 from prometheus_client import Counter
 
 from consumer_kit import ConsumerApp, Context, Settings
-from sources.webhooks import StripeVerifier, WebhookSource
+from consumer_kit.sources.webhooks import StripeVerifier, WebhookSource
 
 log = logging.getLogger("examples.stripe_receiver")
 EVENTS = Counter("stripe_example_events_total", "Stripe events handled by the example, by type.", ["type"])

@@ -343,7 +343,7 @@ def _cloudevent_id(source: str, event_id: str) -> str | None:
     # The HTTP sink's id format, so that one event reaching a namespace over HTTP and over a queue
     # gets one key. Only the event's own two attributes are shown to the mapper: a transport header
     # such as ``ce_id`` must not stand in for them.
-    from sources.cloudevents import cloudevent_key_mapper
+    from consumer_kit.sources.cloudevents import cloudevent_key_mapper
 
     return cloudevent_key_mapper(Delivery(id=None, body=b"", headers={"ce-id": event_id, "ce-source": source}))
 
@@ -351,7 +351,7 @@ def _cloudevent_id(source: str, event_id: str) -> str | None:
 def require_cloudevents() -> None:
     """Fail at construction, with the install hint, when the ``cloudevents`` envelope cannot work."""
     try:
-        import sources.cloudevents  # noqa: F401
+        import consumer_kit.sources.cloudevents  # noqa: F401
     except ImportError as exc:
         raise ConfigurationError(f"envelope='cloudevents' needs the cloudevents extra: {exc}") from exc
 

@@ -28,7 +28,7 @@ A parked message goes back on its queue with ``consumer-kit parked replay`` (:me
 the copy carries the delivery as the pipeline saw it in a signed ``x-consumer-kit-replay`` header (see
 :mod:`consumer_kit.replay`), its ``message_id`` and headers as they were, so it keys the same.
 
-``AmqpPublisher`` implements :class:`consumer_kit.relay.Publisher`: it publishes outbox rows with
+``AmqpPublisher`` implements :class:`consumer_kit.outbox.Publisher`: it publishes outbox rows with
 publisher confirms, ``message_id`` = the row id, persistent, and mandatory (an unroutable destination
 is a failure, so the row stays pending).
 
@@ -65,7 +65,7 @@ try:
 except ModuleNotFoundError as exc:  # pragma: no cover - exercised only without the extra
     from consumer_kit.extras import missing_extra
 
-    raise missing_extra("rabbitmq", "sources.rabbitmq", exc) from exc
+    raise missing_extra("rabbitmq", "consumer_kit.sources.rabbitmq", exc) from exc
 
 from consumer_kit.delivery import (
     Decided,
@@ -81,12 +81,12 @@ from consumer_kit.delivery import (
 )
 from consumer_kit.errors import ConfigurationError
 from consumer_kit.keys import KeyDigester
+from consumer_kit.outbox import OutboxMessage
 from consumer_kit.replay import REPLAY_HEADER, Send, unseal
 from consumer_kit.retry import START_UP
 from consumer_kit.settings import Settings
-from consumer_kit.store.outbox import OutboxMessage
+from consumer_kit.sources.envelopes import EnvelopedSource, KeyFunction, amqp_cloudevent, require_cloudevents
 from consumer_kit.tracing import SpanShape
-from sources.envelopes import EnvelopedSource, KeyFunction, amqp_cloudevent, require_cloudevents
 
 log = logging.getLogger("consumer_kit.sources.rabbitmq")
 

@@ -17,15 +17,13 @@ PREFIXES = ("consumer_kit_", "caracal_idempotency_")
 def registered_metrics() -> dict[str, str]:
     """Every consumer-kit metric, by the name it is exposed under (counters with ``_total``), to its type.
 
-    Imports every module of ``consumer_kit`` and ``sources`` first (a source's collectors exist once its
-    module is imported); the migrations are left out, since importing Alembic's ``env.py`` runs it."""
-    import consumer_kit
-    import sources
+    Imports every module of ``consumer_kit`` (its sources included) first (a source's collectors exist once its
+    module is imported); the migrations are left out, since importing Alembic's ``env.py`` runs it, and so is ``__main__``."""
+    import consumer_kit  # its sources are the sub-package consumer_kit.sources
 
-    for package in (consumer_kit, sources):
-        for module in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
-            if ".migrations" not in module.name:
-                importlib.import_module(module.name)
+    for module in pkgutil.walk_packages(consumer_kit.__path__, "consumer_kit."):
+        if ".migrations" not in module.name and not module.name.endswith(".__main__"):
+            importlib.import_module(module.name)
     found = {}
     for family in REGISTRY.collect():
         if family.name.startswith(PREFIXES):

@@ -32,7 +32,7 @@ from consumer_kit.errors import (
     InvalidKey,
     ReceiptLimitExceeded,
 )
-from consumer_kit.httpserver import listen, serve_until, server_config
+from consumer_kit.http.server import listen, serve_until, server_config
 from consumer_kit.keys import validate_key
 from consumer_kit.settings import Settings
 from consumer_kit.signals import StopRequested, stop_event, unless_stopped
@@ -211,7 +211,7 @@ async def serve(settings: Settings, *, host: str = "127.0.0.1", port: int = 8080
                 stop: asyncio.Event | None = None) -> None:
     """Serve the coordinator on ``settings.database_url`` until SIGTERM/SIGINT (or ``stop``), then stop
     gracefully. A stop while the database is being prepared cancels that and closes what it opened.
-    Requests are bounded as :mod:`consumer_kit.httpserver` says."""
+    Requests are bounded as :mod:`consumer_kit.http.server` says."""
     import uvicorn
 
     stop = stop if stop is not None else stop_event()

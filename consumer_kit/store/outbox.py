@@ -6,7 +6,7 @@ its effect committed. Code outside a handler uses :meth:`Outbox.enqueue` inside 
 
 A handler row's id is an HMAC of the consumer, the operation key and the publish's position, so a
 handler that runs again after a takeover writes the same ids, and the raw key is never stored. The
-relay (:mod:`consumer_kit.relay`) publishes each row with that id as the destination's dedup id.
+relay (:mod:`consumer_kit.outbox`) publishes each row with that id as the destination's dedup id.
 
 Claiming: on PostgreSQL a batch is locked ``FOR UPDATE SKIP LOCKED`` for the length of its
 transaction, so several relays share the table without publishing a row twice; a relay that dies

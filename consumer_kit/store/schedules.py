@@ -1,4 +1,4 @@
-"""Schedule state (:mod:`sources.schedules`): one method per database operation, each on the
+"""Schedule state (:mod:`consumer_kit.sources.schedules`): one method per database operation, each on the
 connection (and in the transaction) the caller hands it.
 
 For each schedule (scoped by consumer, name and version) the store keeps ``decided_until``: every tick

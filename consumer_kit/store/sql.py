@@ -332,7 +332,7 @@ REOPEN_WITH_FINGERPRINT = Statement(
     f"{_REOPEN}, fingerprint = :fingerprint WHERE consumer = :consumer AND key_digest = :key_digest"
     " AND NOT (state = 'started' AND locked_until IS NOT NULL AND locked_until > :now)")
 
-# --- schedules (sources.schedules) -------------------------------------------------------------------
+# --- schedules (consumer_kit.sources.schedules) -------------------------------------------------------------------
 
 _SCHEDULE = "consumer = :consumer AND schedule = :schedule AND version = :version"
 # The database's clock, which every replica reads to judge what is due (their own clocks may disagree).

@@ -200,7 +200,7 @@ idempotency_scopes = Table(
     Column("closed", Boolean, nullable=False),  # counted exactly under all stripe locks while set
 )
 
-# Schedules (sources.schedules): per (consumer, schedule, version), how far due ticks have been decided,
+# Schedules (consumer_kit.sources.schedules): per (consumer, schedule, version), how far due ticks have been decided,
 # and one row per tick decided: to run (pending until its delivery settles) or skipped, with why.
 
 schedules = Table(

@@ -29,11 +29,11 @@ async def served_asgi(app: ASGIApp, *, log_level: str = "warning",
                       settings: Settings | None = None) -> AsyncIterator[str]:
     """Serve ``app`` (lifespan on) under uvicorn on 127.0.0.1 and a free port, in this event loop;
     yields the base URL. With ``settings``, behind the request bounds our own servers have
-    (:func:`consumer_kit.httpserver.server_config`). uvicorn's log records go to the root logger like
+    (:func:`consumer_kit.http.server.server_config`). uvicorn's log records go to the root logger like
     any other (it installs no logging configuration of its own), so a test sees what the server logged."""
     import uvicorn
 
-    from consumer_kit.httpserver import server_config
+    from consumer_kit.http.server import server_config
 
     port = free_port()
     options = {"log_level": log_level, "log_config": None, "access_log": False, "lifespan": "on"}

@@ -11,11 +11,11 @@ try:
 except ModuleNotFoundError as exc:  # pragma: no cover - depends on the installation
     from consumer_kit.extras import missing_extra
 
-    raise missing_extra("cloudevents", "sources.cloudevents", exc) from exc
+    raise missing_extra("cloudevents", "consumer_kit.sources.cloudevents", exc) from exc
 
-from sources.cloudevents.event import CloudEventDelivery, InvalidEvent, key_id
-from sources.cloudevents.queues import cloudevent_key_mapper
-from sources.cloudevents.receiver import BATCH, STRUCTURED, CloudEventsSource, TooManyEvents
+from consumer_kit.sources.cloudevents.event import CloudEventDelivery, InvalidEvent, key_id
+from consumer_kit.sources.cloudevents.queues import cloudevent_key_mapper
+from consumer_kit.sources.cloudevents.receiver import BATCH, STRUCTURED, CloudEventsSource, TooManyEvents
 
 __all__ = [
     "BATCH",

@@ -38,7 +38,7 @@ from urllib.parse import quote
 from consumer_kit.delivery import Delivery
 from consumer_kit.errors import MissingStableId, TerminalError, UnparseableDelivery
 from consumer_kit.http import loads_json
-from sources.cloudevents import values
+from consumer_kit.sources.cloudevents import values
 
 DEFAULT_DATACONTENTTYPE = "application/json"
 _NAME = re.compile(r"[a-z0-9]+")

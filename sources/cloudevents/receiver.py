@@ -4,7 +4,7 @@ The ``Content-Type`` chooses the mode (HTTP binding §3): ``application/cloudeve
 structured mode, ``application/cloudevents-batch+json`` batched mode (when ``batch=True``), another
 ``application/cloudevents...`` format is 415, and anything else with ``ce-`` headers is binary mode
 (without them, 415: not a CloudEvent). Each event becomes one
-:class:`~sources.cloudevents.event.CloudEventDelivery`, keyed ``namespace:v<version>:<source>#<id>``.
+:class:`~consumer_kit.sources.cloudevents.event.CloudEventDelivery`, keyed ``namespace:v<version>:<source>#<id>``.
 
 Answers: those of :func:`consumer_kit.http.answer_for` for each event (an invalid event is parked and
 answered 400); 400 without parking for a repeated ``ce-`` or ``Content-Type`` header; 401 for a wrong
@@ -33,11 +33,10 @@ from consumer_kit.http import (
     UnsupportedMediaType,
     answer_for,
 )
-from consumer_kit.http_intake import HttpIntake, reject, respond, single_headers
+from consumer_kit.http.intake import HttpIntake, reject, respond, single_headers
 from consumer_kit.keys import OperationKey
 from consumer_kit.settings import Settings
-from consumer_kit.tracing import TRACE_HEADERS
-from sources.cloudevents.event import (
+from consumer_kit.sources.cloudevents.event import (
     CloudEventDelivery,
     InvalidEvent,
     dump_document,
@@ -46,6 +45,7 @@ from sources.cloudevents.event import (
     invalid,
     parse_document,
 )
+from consumer_kit.tracing import TRACE_HEADERS
 
 STRUCTURED = "application/cloudevents+json"
 BATCH = "application/cloudevents-batch+json"

@@ -7,11 +7,11 @@ try:
 except ModuleNotFoundError as exc:  # pragma: no cover - depends on the installation
     from consumer_kit.extras import missing_extra
 
-    raise missing_extra("schedules", "sources.schedules", exc) from exc
+    raise missing_extra("schedules", "consumer_kit.sources.schedules", exc) from exc
 
-from sources.schedules.catchup import CatchUp, Overlap, SkipReason
-from sources.schedules.clock import DatabaseClock, ManualClock, ScheduleClock
-from sources.schedules.source import Fired, Schedule, ScheduleDelivery, ScheduleStatus
+from consumer_kit.sources.schedules.catchup import CatchUp, Overlap, SkipReason
+from consumer_kit.sources.schedules.clock import DatabaseClock, ManualClock, ScheduleClock
+from consumer_kit.sources.schedules.source import Fired, Schedule, ScheduleDelivery, ScheduleStatus
 
 __all__ = [
     "CatchUp",

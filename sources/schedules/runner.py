@@ -24,14 +24,14 @@ from typing import TYPE_CHECKING
 
 from consumer_kit.delivery import Dispatch, Outcome, Result, Settlement
 from consumer_kit.settings import Settings
+from consumer_kit.sources.schedules import catchup, timing
+from consumer_kit.sources.schedules.catchup import Decision
+from consumer_kit.sources.schedules.metrics import SKIPPED
 from consumer_kit.store import Inbox
 from consumer_kit.store.schedules import PendingTick
-from sources.schedules import catchup, timing
-from sources.schedules.catchup import Decision
-from sources.schedules.metrics import SKIPPED
 
 if TYPE_CHECKING:
-    from sources.schedules.source import Schedule
+    from consumer_kit.sources.schedules.source import Schedule
 
 log = logging.getLogger("consumer_kit.sources.schedules")
 

@@ -14,13 +14,13 @@ from consumer_kit.delivery import Delivery, Dispatch, Outcome, Result
 from consumer_kit.errors import ConfigurationError, InvalidKey, MissingStableId
 from consumer_kit.keys import OperationKey
 from consumer_kit.settings import Settings
+from consumer_kit.sources.schedules import timing
+from consumer_kit.sources.schedules.catchup import CatchUp, Overlap
+from consumer_kit.sources.schedules.clock import DatabaseClock, ScheduleClock
+from consumer_kit.sources.schedules.runner import Runner
 from consumer_kit.store import Database
 from consumer_kit.store.schedules import PendingTick, ScheduleId, ScheduleStore, TickRecord
 from consumer_kit.tracing import SpanShape
-from sources.schedules import timing
-from sources.schedules.catchup import CatchUp, Overlap
-from sources.schedules.clock import DatabaseClock, ScheduleClock
-from sources.schedules.runner import Runner
 
 T = TypeVar("T")
 IN_PROGRESS_POLL_SECONDS = 0.25  # fire(): how often to look again at a tick another process holds
@@ -158,7 +158,7 @@ class Schedule:
         return value
 
     async def start(self, dispatch: Dispatch, settings: Settings) -> None:
-        """Begin firing: this replica's loop (:class:`~sources.schedules.runner.Runner`)."""
+        """Begin firing: this replica's loop (:class:`~consumer_kit.sources.schedules.runner.Runner`)."""
         self._settings = settings
         self._runner = Runner(self, dispatch, settings)
         self._runner.start()

@@ -24,10 +24,10 @@ finish within ``SHUTDOWN_GRACE_SECONDS``; one cancelled after that is made visib
 deleted.
 
 ``envelope=`` says where the stable id is (``sqs``, ``sns``, ``eventbridge``, ``s3``, ``cloudevents``;
-see :mod:`sources.envelopes`), and ``key=`` names an attribute (or a callable) holding a business id
+see :mod:`consumer_kit.sources.envelopes`), and ``key=`` names an attribute (or a callable) holding a business id
 instead.
 
-``SqsPublisher`` implements :class:`consumer_kit.relay.Publisher`: ``SendMessageBatch``, the outbox row
+``SqsPublisher`` implements :class:`consumer_kit.outbox.Publisher`: ``SendMessageBatch``, the outbox row
 id in the ``x-consumer-kit-message-id`` attribute, and on FIFO queues also as the
 ``MessageDeduplicationId``.
 """
@@ -35,12 +35,14 @@ id in the ``x-consumer-kit-message-id`` attribute, and on FIFO queues also as th
 try:
     import boto3  # noqa: F401
 except ModuleNotFoundError as exc:  # pragma: no cover - exercised only without the extra
-    raise ModuleNotFoundError("sources.sqs needs boto3: pip install 'consumer-kit[sqs]'", name=exc.name) from exc
+    from consumer_kit.extras import missing_extra
 
-from sources.envelopes import EnvelopeMismatch
-from sources.sqs.held import KEY_DIGEST_ATTRIBUTE, REASON_ATTRIBUTE, SOURCE_QUEUE_ATTRIBUTE
-from sources.sqs.publisher import GROUP_HEADER, MESSAGE_ID_ATTRIBUTE, SqsPublisher
-from sources.sqs.source import DEFAULT_RETRY_DELAYS, SQSSource
+    raise missing_extra("sqs", "consumer_kit.sources.sqs", exc) from exc
+
+from consumer_kit.sources.envelopes import EnvelopeMismatch
+from consumer_kit.sources.sqs.held import KEY_DIGEST_ATTRIBUTE, REASON_ATTRIBUTE, SOURCE_QUEUE_ATTRIBUTE
+from consumer_kit.sources.sqs.publisher import GROUP_HEADER, MESSAGE_ID_ATTRIBUTE, SqsPublisher
+from consumer_kit.sources.sqs.source import DEFAULT_RETRY_DELAYS, SQSSource
 
 __all__ = [
     "DEFAULT_RETRY_DELAYS",

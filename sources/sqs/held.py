@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from consumer_kit.delivery import Result
-from sources.sqs.client import MAX_VISIBILITY_SECONDS, log
+from consumer_kit.sources.sqs.client import MAX_VISIBILITY_SECONDS, log
 
 REASON_ATTRIBUTE = "x-consumer-kit-reason"
 KEY_DIGEST_ATTRIBUTE = "x-consumer-kit-key-digest"

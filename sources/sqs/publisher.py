@@ -6,9 +6,9 @@ import asyncio
 import re
 from typing import Any
 
+from consumer_kit.outbox import OutboxMessage
 from consumer_kit.settings import Settings
-from consumer_kit.store.outbox import OutboxMessage
-from sources.sqs.client import BatchAction, SqsClient
+from consumer_kit.sources.sqs.client import BatchAction, SqsClient
 
 MESSAGE_ID_ATTRIBUTE = "x-consumer-kit-message-id"
 """The message attribute holding the outbox row id: a consumer keys by it (``key=MESSAGE_ID_ATTRIBUTE``),

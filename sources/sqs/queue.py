@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from consumer_kit.errors import ConfigurationError
-from sources.sqs.client import SqsClient, explain, log
+from consumer_kit.sources.sqs.client import SqsClient, explain, log
 
 
 @dataclass(frozen=True, slots=True)

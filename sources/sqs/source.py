@@ -23,11 +23,26 @@ from consumer_kit.errors import ConfigurationError
 from consumer_kit.keys import KeyDigester
 from consumer_kit.replay import REPLAY_HEADER, Send, unseal
 from consumer_kit.settings import Settings
+from consumer_kit.sources.envelopes import (
+    ENVELOPES,
+    EnvelopedSource,
+    KeyFunction,
+    is_s3_test_event,
+    require_cloudevents,
+    unwrap,
+)
+from consumer_kit.sources.sqs.client import (
+    BATCH_MAX,
+    MAX_VISIBILITY_SECONDS,
+    BatchAction,
+    SqsClient,
+    error_code,
+    explain,
+    log,
+)
+from consumer_kit.sources.sqs.held import MAX_ATTRIBUTES, HeldMessage, Slots, dead_letter_copy
+from consumer_kit.sources.sqs.queue import inspect_queue
 from consumer_kit.tracing import SpanShape
-from sources.envelopes import ENVELOPES, EnvelopedSource, KeyFunction, is_s3_test_event, require_cloudevents, unwrap
-from sources.sqs.client import BATCH_MAX, MAX_VISIBILITY_SECONDS, BatchAction, SqsClient, error_code, explain, log
-from sources.sqs.held import MAX_ATTRIBUTES, HeldMessage, Slots, dead_letter_copy
-from sources.sqs.queue import inspect_queue
 
 DEFAULT_RETRY_DELAYS = (1.0, 5.0, 30.0, 120.0)
 SETTLE_THREADS = 4  # pool threads besides the pollers': deletes, visibility changes, dead-letter copies

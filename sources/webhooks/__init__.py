@@ -7,10 +7,10 @@ try:
 except ModuleNotFoundError as exc:  # pragma: no cover - depends on the installation
     from consumer_kit.extras import missing_extra
 
-    raise missing_extra("webhooks", "sources.webhooks", exc) from exc
+    raise missing_extra("webhooks", "consumer_kit.sources.webhooks", exc) from exc
 
-from sources.webhooks.receiver import WebhookSource
-from sources.webhooks.verifiers import (
+from consumer_kit.sources.webhooks.receiver import WebhookSource
+from consumer_kit.sources.webhooks.verifiers import (
     GitHubVerifier,
     HmacVerifier,
     Secrets,

@@ -16,9 +16,9 @@ from starlette.responses import Response
 from consumer_kit.delivery import Delivery, Dispatch
 from consumer_kit.errors import MissingStableId, TerminalError
 from consumer_kit.http import DEFAULT_BODY_LIMIT
-from consumer_kit.http_intake import HttpIntake, respond, single_headers
+from consumer_kit.http.intake import HttpIntake, respond, single_headers
 from consumer_kit.keys import OperationKey
-from sources.webhooks.verifiers import Verifier
+from consumer_kit.sources.webhooks.verifiers import Verifier
 
 
 class WebhookSource(HttpIntake):

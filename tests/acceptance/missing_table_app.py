@@ -8,7 +8,7 @@ from datetime import timedelta
 from sqlalchemy import text
 
 from consumer_kit import ConsumerApp, Context, Settings
-from sources.schedules import Schedule
+from consumer_kit.sources.schedules import Schedule
 
 app = ConsumerApp(Settings())
 every_second = Schedule("table-probe", every=timedelta(seconds=1), catch_up="latest")

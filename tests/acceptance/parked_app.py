@@ -30,7 +30,7 @@ app = ConsumerApp(Settings())
 queue = os.environ.get("PARKED_TEST_QUEUE")
 source: Source
 if queue:
-    from sources.rabbitmq import RabbitMQSource
+    from consumer_kit.sources.rabbitmq import RabbitMQSource
 
     source = RabbitMQSource(queue=queue, namespace="parked-test", version=1, retry_delays=(0.2,))
 else:

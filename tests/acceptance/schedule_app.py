@@ -18,8 +18,8 @@ from sqlalchemy import Column, Integer, MetaData, String, Table
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from consumer_kit import ConsumerApp, Context, Settings
+from consumer_kit.sources.schedules import Schedule
 from consumer_kit.store import create_engine
-from sources.schedules import Schedule
 
 metadata = MetaData()
 effects = Table(

@@ -18,8 +18,8 @@ from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from consumer_kit.keys import KeyDigester, OperationKey
+from consumer_kit.sources.schedules.timing import is_tick, key_id
 from consumer_kit.store import create_engine, inbox, upgrade
-from sources.schedules.timing import is_tick, key_id
 from tests.acceptance import schedule_app
 from tests.conftest import TEST_HMAC_KEY, truncate_all
 

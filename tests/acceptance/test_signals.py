@@ -65,7 +65,7 @@ class WaitingForItsBroker(Recorded):
 app = ConsumerApp(Settings())
 sources = [Recorded(namespace="first", version=1, name="first")]
 if os.environ.get("HTTP"):
-    from sources.webhooks import HmacVerifier, WebhookSource
+    from consumer_kit.sources.webhooks import HmacVerifier, WebhookSource
 
     sources.append(WebhookSource(path="/hooks", verifier=HmacVerifier("s" * 32, header="X-Signature", id_header="X-Id"),
                                  namespace="hooks", version=1))

@@ -17,7 +17,7 @@ import pytest
 from sqlalchemy import distinct, func, select
 
 from consumer_kit import ConsumerApp
-from sources.sqs import MESSAGE_ID_ATTRIBUTE
+from consumer_kit.sources.sqs import MESSAGE_ID_ATTRIBUTE
 from tests.conftest import TEST_HMAC_KEY, make_settings
 from tests.integration.rabbit import wait_until
 from tests.integration.sqs_env import REGION, Moto

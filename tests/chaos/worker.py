@@ -13,7 +13,7 @@ import os
 from sqlalchemy import text
 
 from consumer_kit import Batch, ConsumerApp, Context, Settings
-from sources.rabbitmq import AmqpPublisher, RabbitMQSource
+from consumer_kit.sources.rabbitmq import AmqpPublisher, RabbitMQSource
 
 PATH = os.environ.get("CHAOS_PATH", "default")
 QUEUE = os.environ.get("CHAOS_QUEUE", "ck-chaos")

@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 
 from consumer_kit import ConsumerApp, Context, Delivery
-from sources.cloudevents import CloudEventsSource
+from consumer_kit.sources.cloudevents import CloudEventsSource
 from tests.conftest import make_settings
 
 TOKEN = "ce-bearer-token-for-tests"

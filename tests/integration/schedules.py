@@ -10,7 +10,7 @@ from prometheus_client import REGISTRY
 from sqlalchemy import Column, Float, Integer, MetaData, String, Table, func, select
 
 from consumer_kit import ConsumerApp, Context, Settings
-from sources.schedules import ManualClock, Schedule, ScheduleDelivery, timing
+from consumer_kit.sources.schedules import ManualClock, Schedule, ScheduleDelivery, timing
 
 metadata = MetaData()
 effects = Table(

@@ -4,7 +4,7 @@ tests (the endpoint comes from ``SQS_ENDPOINT_URL``)."""
 from __future__ import annotations
 
 from consumer_kit import ConsumerApp, Settings
-from sources.sqs import SqsPublisher
+from consumer_kit.sources.sqs import SqsPublisher
 
 settings = Settings()
 app = ConsumerApp(settings)

@@ -11,11 +11,11 @@ from starlette.applications import Starlette
 from starlette.routing import Mount
 
 from consumer_kit import ConsumerApp, Context
-from consumer_kit.asgi import lifespan
+from consumer_kit.http.asgi import lifespan
+from consumer_kit.sources.webhooks import GitHubVerifier, WebhookSource
 from consumer_kit.store import create_engine, schema_revisions, upgrade
 from consumer_kit.store.database import VERSION_TABLE
 from consumer_kit.testing import InMemorySource
-from sources.webhooks import GitHubVerifier, WebhookSource
 from tests.conftest import _admin, make_settings
 from tests.signing import github_headers
 

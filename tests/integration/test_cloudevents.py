@@ -11,8 +11,8 @@ import httpx
 import pytest
 
 from consumer_kit import ConsumerApp, Context, Delivery, Outcome
+from consumer_kit.sources.cloudevents import cloudevent_key_mapper
 from consumer_kit.testing import InMemorySource
-from sources.cloudevents import cloudevent_key_mapper
 from tests.conftest import make_settings
 from tests.integration.cloudevents_sink import BATCH, STRUCTURED, Sink, serving
 

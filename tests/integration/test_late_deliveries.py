@@ -112,7 +112,7 @@ async def test_an_amqp_message_is_aged_by_its_timestamp(pg_database: str) -> Non
 
     import aio_pika
 
-    from sources.rabbitmq import RabbitMQSource
+    from consumer_kit.sources.rabbitmq import RabbitMQSource
     from tests.integration.rabbit import AMQP_URL, delete_queues, wait_until
 
     queue = f"ck-test-{secrets.token_hex(4)}"
@@ -145,7 +145,7 @@ async def test_an_amqp_message_is_aged_by_its_timestamp(pg_database: str) -> Non
 def test_an_sns_notification_is_aged_by_its_own_timestamp() -> None:
     import json
 
-    from sources.envelopes import unwrap
+    from consumer_kit.sources.envelopes import unwrap
 
     queued = datetime(2026, 1, 2, tzinfo=UTC)
     body = json.dumps({"Type": "Notification", "MessageId": "m-1", "TopicArn": "arn:aws:sns:r:1:t",

@@ -10,9 +10,8 @@ from collections.abc import AsyncIterator
 import pytest
 
 from consumer_kit import ConsumerApp
-from consumer_kit.relay import OutboxRelay
-from consumer_kit.store import OutboxMessage
-from sources.rabbitmq import AmqpPublisher
+from consumer_kit.outbox import OutboxMessage, OutboxRelay
+from consumer_kit.sources.rabbitmq import AmqpPublisher
 from tests.conftest import make_settings
 from tests.integration.rabbit import AMQP_URL, TcpProxy, declare, delete_queues, depth, drain, wait_until
 

@@ -14,7 +14,7 @@ import pytest
 from sqlalchemy import Column, Integer, MetaData, String, Table, distinct, func, select
 
 from consumer_kit import ConsumerApp, Context, Settings
-from sources.rabbitmq import NO_ID_HEADER, REASON_HEADER, RabbitMQSource
+from consumer_kit.sources.rabbitmq import NO_ID_HEADER, REASON_HEADER, RabbitMQSource
 from tests.conftest import make_settings
 from tests.integration.rabbit import (
     AMQP_URL,
@@ -119,7 +119,7 @@ async def test_a_message_that_cannot_be_read_is_dead_lettered_not_held(pg: str, 
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """Reading a message into a delivery raises nowhere we know of; if it did, the message would be held
     unacked and fail again on every redelivery. It is dead-lettered with its reason instead."""
-    import sources.rabbitmq as rabbitmq
+    import consumer_kit.sources.rabbitmq as rabbitmq
 
     real = rabbitmq.to_delivery
 

@@ -14,7 +14,7 @@ import aio_pika
 import pytest
 
 from consumer_kit import ConsumerApp, Context
-from sources.rabbitmq import REASON_HEADER, RabbitMQSource
+from consumer_kit.sources.rabbitmq import REASON_HEADER, RabbitMQSource
 from tests.conftest import make_settings
 from tests.integration.rabbit import AMQP_URL, delete_queues, depth, drain, wait_until
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import aio_pika
 import pytest
 
-from sources.rabbitmq import _Settlements
+from consumer_kit.sources.rabbitmq import _Settlements
 from tests.integration.rabbit import AMQP_URL, publish
 
 pytestmark = pytest.mark.asyncio

@@ -17,8 +17,8 @@ from consumer_kit import ConsumerApp, Context, Settings, TerminalError
 from consumer_kit.delivery import RefusedReplay, Replayed
 from consumer_kit.keys import KeyDigester
 from consumer_kit.replay import REPLAY_HEADER, Replayer, seal, unseal
-from sources.schedules import ManualClock, Schedule, ScheduleDelivery
-from sources.sqs import SQSSource
+from consumer_kit.sources.schedules import ManualClock, Schedule, ScheduleDelivery
+from consumer_kit.sources.sqs import SQSSource
 from tests.conftest import TEST_HMAC_KEY, make_settings
 from tests.integration.rabbit import wait_until
 from tests.integration.sqs_env import Moto, attribute
@@ -145,7 +145,7 @@ async def test_a_parked_schedule_tick_replays_in_process_and_settles(sqlite_url:
 async def test_a_parked_cloudevent_replays_in_process_as_the_same_request(sqlite_url: str) -> None:
     """A structured-mode event is fingerprinted by its canonical form, not by the body as sent: its
     replay keeps that fingerprint, so it is the same request to the inbox (not a conflict)."""
-    from sources.cloudevents import CloudEventsSource
+    from consumer_kit.sources.cloudevents import CloudEventsSource
 
     app = ConsumerApp(make_settings(sqlite_url))
     source = CloudEventsSource(path="/events", namespace="shop-events", version=1, bearer_tokens=["t" * 24])

@@ -14,8 +14,8 @@ from prometheus_client import REGISTRY
 from sqlalchemy import func, select, text
 
 from consumer_kit import ConsumerApp
+from consumer_kit.sources.schedules import ManualClock, Schedule, ScheduleDelivery
 from consumer_kit.store import utcnow
-from sources.schedules import ManualClock, Schedule, ScheduleDelivery
 from tests.conftest import make_settings
 from tests.integration.schedules import (
     START,

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from consumer_kit import ConfigurationError, Outcome, Settings
-from sources.schedules import ManualClock, Schedule, ScheduleDelivery, ScheduleStatus
+from consumer_kit.sources.schedules import ManualClock, Schedule, ScheduleDelivery, ScheduleStatus
 from tests.conftest import make_settings, truncate_all
 from tests.integration.schedules import (
     START,

@@ -13,7 +13,7 @@ from prometheus_client import REGISTRY
 from consumer_kit import ConsumerApp, Context, Outcome, Result
 from consumer_kit.delivery import Delivery, Dispatch
 from consumer_kit.settings import Settings
-from sources.sqs import REASON_ATTRIBUTE, SQSSource
+from consumer_kit.sources.sqs import REASON_ATTRIBUTE, SQSSource
 from tests.integration.rabbit import wait_until
 from tests.integration.sqs_env import Moto
 

@@ -13,9 +13,8 @@ from prometheus_client import REGISTRY
 from sqlalchemy import Column, Integer, MetaData, String, Table, distinct, func, select, text
 
 from consumer_kit import ConsumerApp, Context
-from consumer_kit.relay import OutboxRelay
-from consumer_kit.store import OutboxMessage
-from sources.sqs import MESSAGE_ID_ATTRIBUTE, SqsPublisher, SQSSource
+from consumer_kit.outbox import OutboxMessage, OutboxRelay
+from consumer_kit.sources.sqs import MESSAGE_ID_ATTRIBUTE, SqsPublisher, SQSSource
 from tests.integration.rabbit import wait_until
 from tests.integration.sqs_env import Moto, attribute
 

@@ -17,8 +17,8 @@ from prometheus_client import REGISTRY
 
 from consumer_kit import ConfigurationError, ConsumerApp, Context, RetryableError, Settings, TerminalError
 from consumer_kit.keys import short
-from sources.sqs import KEY_DIGEST_ATTRIBUTE, REASON_ATTRIBUTE, SOURCE_QUEUE_ATTRIBUTE, SQSSource
-from sources.sqs.client import BatchAction, SqsClient
+from consumer_kit.sources.sqs import KEY_DIGEST_ATTRIBUTE, REASON_ATTRIBUTE, SOURCE_QUEUE_ATTRIBUTE, SQSSource
+from consumer_kit.sources.sqs.client import BatchAction, SqsClient
 from tests.integration.rabbit import TcpProxy, wait_until
 from tests.integration.sqs_env import REGION, Moto, attribute
 

@@ -24,9 +24,9 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.trace import SpanKind
 
 from consumer_kit import ConsumerApp, Context, Settings
+from consumer_kit.sources.rabbitmq import AmqpPublisher, RabbitMQSource
+from consumer_kit.sources.webhooks import StandardWebhooksVerifier, WebhookSource
 from consumer_kit.testing.server import served_asgi
-from sources.rabbitmq import AmqpPublisher, RabbitMQSource
-from sources.webhooks import StandardWebhooksVerifier, WebhookSource
 from tests.conftest import TEST_HMAC_KEY, Spans, make_settings
 from tests.integration.rabbit import AMQP_URL, declare, delete_queues, publish, wait_until
 from tests.signing import standard_headers
@@ -56,7 +56,7 @@ async def stop(relay: subprocess.Popen[bytes], log: Path) -> None:
     text = await asyncio.to_thread(log.read_text)
     assert code == 0, text
     lines = [json.loads(line) for line in text.splitlines() if line.strip()]
-    assert any(line["logger"] == "consumer_kit.relay" for line in lines)  # LOG_FORMAT=json: a JSON object a line
+    assert any(line["logger"] == "consumer_kit.outbox" for line in lines)  # LOG_FORMAT=json: a JSON object a line
 
 
 @pytest.fixture
@@ -191,7 +191,7 @@ async def test_a_webhook_request_and_the_message_its_handler_wrote_are_one_trace
 @pytest.mark.sqs
 async def test_an_sqs_message_and_the_message_its_handler_wrote_are_one_trace(
         pg_database: str, moto_endpoint: str, relay_env: dict[str, str], spans: Spans, tmp_path: Path) -> None:
-    from sources.sqs import MESSAGE_ID_ATTRIBUTE, SQSSource
+    from consumer_kit.sources.sqs import MESSAGE_ID_ATTRIBUTE, SQSSource
     from tests.integration.sqs_env import REGION, Moto
 
     moto = Moto(moto_endpoint)

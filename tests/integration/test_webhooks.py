@@ -12,7 +12,7 @@ import pytest
 from sqlalchemy import Column, Integer, MetaData, String, Table, func, select
 
 from consumer_kit import ConsumerApp, Context, TerminalError
-from sources.webhooks import (
+from consumer_kit.sources.webhooks import (
     GitHubVerifier,
     HmacVerifier,
     StandardWebhooksVerifier,

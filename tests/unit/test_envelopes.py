@@ -11,7 +11,14 @@ import pytest
 
 from consumer_kit import Delivery, InvalidKey, MissingStableId
 from consumer_kit.errors import ConfigurationError
-from sources.envelopes import EnvelopedSource, EnvelopeMismatch, Unwrapped, amqp_cloudevent, is_s3_test_event, unwrap
+from consumer_kit.sources.envelopes import (
+    EnvelopedSource,
+    EnvelopeMismatch,
+    Unwrapped,
+    amqp_cloudevent,
+    is_s3_test_event,
+    unwrap,
+)
 
 SNS = {
     "Type": "Notification", "MessageId": "5a1b-sns", "TopicArn": "arn:aws:sns:us-east-1:123456789012:orders",
@@ -135,7 +142,7 @@ def structured(**changes: object) -> dict[str, object]:
 
 
 def test_cloudevents_structured_keys_like_the_http_sink_and_unwraps_the_data() -> None:
-    from sources.cloudevents import cloudevent_key_mapper
+    from consumer_kit.sources.cloudevents import cloudevent_key_mapper
 
     delivery = one("cloudevents", structured())
     assert key_of(delivery) == "orders:v1:/orders#ev-1"

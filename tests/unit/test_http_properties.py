@@ -16,8 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from consumer_kit import ConsumerApp, Context
-from sources.cloudevents import CloudEventsSource
-from sources.webhooks import (
+from consumer_kit.sources.cloudevents import CloudEventsSource
+from consumer_kit.sources.webhooks import (
     GitHubVerifier,
     HmacVerifier,
     StandardWebhooksVerifier,

@@ -19,8 +19,7 @@ from consumer_kit import (
     TerminalError,
     metrics,
 )
-from consumer_kit.relay import OutboxRelay, Publisher
-from consumer_kit.store import OutboxMessage
+from consumer_kit.outbox import OutboxMessage, OutboxRelay, Publisher
 from consumer_kit.testing import InMemorySource
 from tests.conftest import TEST_HMAC_KEY, make_settings
 

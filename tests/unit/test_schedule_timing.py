@@ -12,9 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from consumer_kit import ConfigurationError, ConsumerApp, Settings
-from sources.schedules import Schedule
-from sources.schedules.catchup import CHUNK, Decision, decide
-from sources.schedules.timing import CronTiming, IntervalTiming, first_after, is_tick, key_id, latest, zone
+from consumer_kit.sources.schedules import Schedule
+from consumer_kit.sources.schedules.catchup import CHUNK, Decision, decide
+from consumer_kit.sources.schedules.timing import CronTiming, IntervalTiming, first_after, is_tick, key_id, latest, zone
 
 
 def utc(text: str) -> datetime:
@@ -210,12 +210,12 @@ def test_misfire_grace_turns_a_late_run_into_a_misfire_only() -> None:
 def test_public_names() -> None:
     import inspect
 
-    import sources.schedules
+    import consumer_kit.sources.schedules
 
-    assert sources.schedules.__all__ == [
+    assert consumer_kit.sources.schedules.__all__ == [
         "CatchUp", "DatabaseClock", "Fired", "ManualClock", "Overlap", "Schedule", "ScheduleClock",
         "ScheduleDelivery", "ScheduleStatus", "SkipReason"]
-    for name in sources.schedules.__all__:
-        member = getattr(sources.schedules, name)
+    for name in consumer_kit.sources.schedules.__all__:
+        member = getattr(consumer_kit.sources.schedules, name)
         if inspect.isclass(member):
-            assert member.__doc__, f"sources.schedules.{name} has no docstring"
+            assert member.__doc__, f"consumer_kit.sources.schedules.{name} has no docstring"

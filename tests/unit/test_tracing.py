@@ -294,7 +294,7 @@ def test_log_lines_name_the_delivery_and_its_trace() -> None:
 
 
 async def test_a_cloudevent_continues_its_request_and_links_its_own_trace(settings: Settings, spans: Spans) -> None:
-    from sources.cloudevents import CloudEventsSource
+    from consumer_kit.sources.cloudevents import CloudEventsSource
 
     app = ConsumerApp(settings, tracer_provider=spans.provider)
 

@@ -16,7 +16,13 @@ from standardwebhooks.webhooks import Webhook
 
 from consumer_kit import ConfigurationError, MissingStableId, UnparseableDelivery
 from consumer_kit.http import MalformedRequest, RequestRejected, Unauthenticated
-from sources.webhooks import GitHubVerifier, HmacVerifier, StandardWebhooksVerifier, StripeVerifier, Verifier
+from consumer_kit.sources.webhooks import (
+    GitHubVerifier,
+    HmacVerifier,
+    StandardWebhooksVerifier,
+    StripeVerifier,
+    Verifier,
+)
 from tests.signing import github_headers, standard_headers, stripe_signature
 from tests.webhook_headers import VERIFIER_HEADERS
 

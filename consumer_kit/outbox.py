@@ -1,8 +1,10 @@
-"""The outbox relay: publishes committed outbox rows, each with its row id as the dedup id.
+"""The outbox's public side: the relay that publishes committed outbox rows, each with its row id as
+the dedup id, the :class:`Publisher` seam it drives, and :class:`OutboxMessage`, the row a publisher
+is handed (a source's publisher imports both from here, never from the store).
 
-The relay knows no broker. It drives a :class:`Publisher`, a one-method seam that a source module
-implements (``sources.rabbitmq.AmqpPublisher`` publishes with publisher confirms); tests and other
-transports bring their own.
+The relay knows no broker. It drives a :class:`Publisher`, a one-method seam that a source package
+implements (``consumer_kit.sources.rabbitmq.AmqpPublisher`` publishes with publisher confirms); tests
+and other transports bring their own.
 
 ::
 
@@ -35,7 +37,9 @@ from consumer_kit.settings import Settings
 from consumer_kit.store.diagnosis import unavailable_because
 from consumer_kit.store.outbox import Outbox, OutboxBatch, OutboxMessage, OutboxStats
 
-log = logging.getLogger("consumer_kit.relay")
+__all__ = ["OutboxMessage", "OutboxRelay", "Publisher"]
+
+log = logging.getLogger("consumer_kit.outbox")
 
 
 @runtime_checkable

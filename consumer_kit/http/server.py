@@ -38,7 +38,7 @@ from consumer_kit import metrics
 from consumer_kit.errors import ConfigurationError
 from consumer_kit.settings import Settings
 
-log = logging.getLogger("consumer_kit.httpserver")
+log = logging.getLogger("consumer_kit.http.server")
 
 LINGER_SECONDS = 2.0
 """After a refusal, how long the rest of the client's request is read and discarded before the close,

@@ -2,7 +2,7 @@
 
 The core knows no concrete source: a webhook receiver or a CloudEvents sink is an :class:`HttpSource`
 (a :class:`~consumer_kit.delivery.Source` with a ``path``, its ``methods`` and a ``handle`` coroutine),
-and :mod:`consumer_kit.asgi` routes requests to it. Requests refused before they become deliveries
+and :mod:`consumer_kit.http.asgi` routes requests to it. Requests refused before they become deliveries
 raise a :class:`RequestRejected`::
 
     RequestRejected (ConsumerKitError)   refused before it became a delivery; nothing is parked
@@ -15,7 +15,7 @@ Unverified requests are not trusted input, so they are never parked; they are co
 ``consumer_kit_http_rejected_total``.
 
 The Starlette side (reading a capped body, turning verdicts into responses, the base class of the
-HTTP sources) is :mod:`consumer_kit.http_intake`; this module needs no web framework, so the core
+HTTP sources) is :mod:`consumer_kit.http.intake`; this module needs no web framework, so the core
 and the CLI can import it on an installation without one. :func:`loads_json` is the JSON parser for
 request bodies: it refuses deep nesting before the standard parser recurses into it.
 """

@@ -12,9 +12,9 @@ Its lifespan starts and stops the ConsumerApp (``app.running()``) when another s
 ``uvicorn module:app.asgi()``); ``consumer-kit run`` starts the app itself before it listens
 (:func:`serve`), so that a stop signal during a slow start-up cancels it. Mounted inside another
 Starlette or FastAPI app, whose router does not run a mounted app's lifespan, give the parent
-``lifespan=consumer_kit.asgi.lifespan(app)``.
+``lifespan=consumer_kit.http.asgi.lifespan(app)``.
 
-The request helpers and the base class of the HTTP sources are in :mod:`consumer_kit.http_intake`;
+The request helpers and the base class of the HTTP sources are in :mod:`consumer_kit.http.intake`;
 this module needs of the app only :class:`ServedApp`, so it imports nothing of :mod:`consumer_kit.app`.
 """
 
@@ -38,7 +38,7 @@ from consumer_kit.http import HttpSource
 if TYPE_CHECKING:
     from consumer_kit.settings import Settings
 
-log = logging.getLogger("consumer_kit.asgi")
+log = logging.getLogger("consumer_kit.http.asgi")
 
 
 class _Handled(Protocol):
@@ -134,11 +134,11 @@ async def serve(app: ServedApp, *, host: str, port: int, log_level: str = "info"
     signal during a slow start-up cancels it (uvicorn would only note the signal and wait for the
     start-up to end). On a stop uvicorn stops accepting and finishes the requests in flight (at most
     ``SHUTDOWN_GRACE_SECONDS``), then the app drains. Requests are bounded as
-    :mod:`consumer_kit.httpserver` says.
+    :mod:`consumer_kit.http.server` says.
     """
     import uvicorn
 
-    from consumer_kit.httpserver import listen, serve_until, server_config
+    from consumer_kit.http.server import listen, serve_until, server_config
     from consumer_kit.signals import run_app, stop_event
 
     sock = listen(host, port)  # a port that is taken stops us before anything is opened

@@ -1,0 +1,56 @@
+"""``consumer-kit db upgrade|check|revision``: consumer-kit's schema and the app's (APP_MIGRATIONS)."""
+
+from __future__ import annotations
+
+import argparse
+
+from consumer_kit.cli.running import settings_from_env
+from consumer_kit.errors import ConfigurationError
+from consumer_kit.settings import Settings
+from consumer_kit.store import AppMigrations, app_revisions, check_schema, create_engine, schema_revisions, upgrade
+from consumer_kit.store.database import sqlite_path
+from consumer_kit.store.diagnosis import safe_url
+
+
+async def schema(action: str) -> int:
+    """``db upgrade`` (``action="upgrade"``) or ``db check``: exit 1 when a schema is not at its head."""
+    settings = settings_from_env()
+    app = AppMigrations.from_settings(settings)
+    engine = create_engine(settings.database_url)
+    try:
+        if action == "upgrade":
+            await upgrade(engine, app=app)
+        else:
+            path = sqlite_path(engine)
+            if path is not None and not path.exists():  # a check never creates the file it checks
+                raise ConfigurationError(f"there is no database at {safe_url(engine.url)}: nothing has run with "
+                                         "this DATABASE_URL here yet (`consumer-kit db upgrade` makes it)")
+        current, head = await schema_revisions(engine)
+        print(f"schema revision {current or 'none'} (head {head})")
+        ok = current == head
+        if app is not None:
+            current, head = await app_revisions(engine, app)
+            print(f"app schema revision {current or 'none'} (head {head or 'none'}, APP_MIGRATIONS)")
+            ok = ok and current == head
+        return 0 if ok else 1
+    finally:
+        await engine.dispose()
+
+
+def revision(args: argparse.Namespace) -> int:
+    """``db revision -m MESSAGE``: a new, empty revision file in APP_MIGRATIONS."""
+    app = AppMigrations.from_settings(settings_from_env())
+    if app is None:
+        raise ConfigurationError("APP_MIGRATIONS is not set: set it to the directory for your app's revisions "
+                                 "(say myapp/migrations), then run this again")
+    print(app.revision(args.message))
+    return 0
+
+
+async def refuse_missing(settings: Settings) -> None:
+    """Refuse, rather than create, a database that is not there (for commands that only read)."""
+    engine = create_engine(settings.database_url, pool_size=1)
+    try:
+        await check_schema(engine)
+    finally:
+        await engine.dispose()
