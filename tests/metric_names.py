@@ -18,7 +18,8 @@ def registered_metrics() -> dict[str, str]:
     """Every consumer-kit metric, by the name it is exposed under (counters with ``_total``), to its type.
 
     Imports every module of ``consumer_kit`` (its sources included) first (a source's collectors exist once its
-    module is imported); the migrations are left out, since importing Alembic's ``env.py`` runs it, and so is ``__main__``."""
+    module is imported); the migrations are left out, since importing Alembic's ``env.py`` runs it, and so
+    is ``__main__``, which runs the command."""
     import consumer_kit  # its sources are the sub-package consumer_kit.sources
 
     for module in pkgutil.walk_packages(consumer_kit.__path__, "consumer_kit."):
