@@ -9,8 +9,15 @@ about 11 passes and 23 socket polls per request, most of ``HttpCoordinator``'s C
 (bench/coordinator.py). This pool keeps a stack of idle HTTP/1.1 connections per origin and a
 semaphore of ``max_connections``: a request takes a slot, pops the most recently used idle connection
 (checked once for expiry, as httpcore checks it) or opens one, and gives both back when its response
-is closed. Timeouts, errors (mapped to httpx's exceptions by ``AsyncHTTPTransport``), TLS and the
-HTTP/1.1 protocol are httpcore's own.
+is closed. Timeouts, TLS and the HTTP/1.1 protocol are httpcore's own.
+
+Only public seams are used: the transport is an ``httpx.AsyncBaseTransport`` (httpx's one-method
+transport interface) over ``httpcore.AsyncHTTPConnection`` (httpcore's one-connection class, which takes
+the SSL context, keep-alive expiry and network backend as arguments). ``httpx.AsyncHTTPTransport`` has no
+public way to run on another pool, so what it does around its pool is repeated here: the request and
+the response are translated between httpx's and httpcore's models, and httpcore's exceptions are mapped
+to httpx's (:data:`_ERRORS`; httpx's own map is private). tests/integration/test_coordinator_transport.py
+checks that each failure comes out as the same httpx exception as from ``httpx.AsyncHTTPTransport``.
 """
 
 from __future__ import annotations
@@ -18,52 +25,78 @@ from __future__ import annotations
 import asyncio
 import ssl
 from collections.abc import AsyncIterator, Iterable
-from types import TracebackType
-from typing import Any
+from typing import Any, NoReturn
 
 import httpcore
 import httpx
 
+_Key = tuple[bytes, bytes, int]
 
-class KeepAliveTransport(httpx.AsyncHTTPTransport):
-    """``httpx.AsyncHTTPTransport`` (HTTP/1.1, no proxy) on :class:`_KeepAlivePool`."""
+_ERRORS: tuple[tuple[type[Exception], type[httpx.TransportError]], ...] = (
+    (httpcore.ConnectTimeout, httpx.ConnectTimeout),
+    (httpcore.ReadTimeout, httpx.ReadTimeout),
+    (httpcore.WriteTimeout, httpx.WriteTimeout),
+    (httpcore.PoolTimeout, httpx.PoolTimeout),
+    (httpcore.TimeoutException, httpx.TimeoutException),
+    (httpcore.ConnectError, httpx.ConnectError),
+    (httpcore.ReadError, httpx.ReadError),
+    (httpcore.WriteError, httpx.WriteError),
+    (httpcore.NetworkError, httpx.NetworkError),
+    (httpcore.ProxyError, httpx.ProxyError),
+    (httpcore.UnsupportedProtocol, httpx.UnsupportedProtocol),
+    (httpcore.LocalProtocolError, httpx.LocalProtocolError),
+    (httpcore.RemoteProtocolError, httpx.RemoteProtocolError),
+    (httpcore.ProtocolError, httpx.ProtocolError),
+)
+"""httpcore's exceptions and the httpx exception each becomes, the most specific first (as
+``httpx.AsyncHTTPTransport`` maps them)."""
+
+
+def _raise_mapped(exc: BaseException) -> NoReturn:
+    for core, mapped in _ERRORS:
+        if isinstance(exc, core):
+            raise mapped(str(exc)) from exc
+    raise exc
+
+
+class KeepAliveTransport(httpx.AsyncBaseTransport):
+    """An httpx transport (HTTP/1.1, no proxy) whose pool gives each request a keep-alive connection
+    of its own (see the module docstring). ``limits``: ``max_connections`` and ``keepalive_expiry`` are
+    applied (``max_keepalive_connections`` is not: every connection under the bound is kept)."""
 
     def __init__(self, *, limits: httpx.Limits | None = None, verify: ssl.SSLContext | bool = True) -> None:
         limits = limits or httpx.Limits(max_connections=100, keepalive_expiry=5.0)
-        super().__init__(limits=limits, verify=verify, trust_env=False)
-        self._pool = _KeepAlivePool(
-            ssl_context=httpx.create_ssl_context(verify=verify, trust_env=False),
-            max_connections=limits.max_connections,
-            keepalive_expiry=limits.keepalive_expiry,
-        )
-
-
-class _KeepAlivePool(httpcore.AsyncConnectionPool):
-    def __init__(self, *, ssl_context: ssl.SSLContext, max_connections: int | None,
-                 keepalive_expiry: float | None) -> None:
-        super().__init__(ssl_context=ssl_context, max_connections=max_connections,
-                         keepalive_expiry=keepalive_expiry)
-        self._limit = max_connections
+        self._ssl_context = httpx.create_ssl_context(verify=verify, trust_env=False)
+        self._keepalive_expiry = limits.keepalive_expiry
+        max_connections = limits.max_connections
         self._slots = asyncio.Semaphore(max_connections) if max_connections else None
-        self._idle: dict[tuple[bytes, bytes, int], list[httpcore.AsyncHTTPConnection]] = {}
+        self._idle: dict[_Key, list[httpcore.AsyncHTTPConnection]] = {}
         self._closed = False
 
-    async def handle_async_request(self, request: httpcore.Request) -> httpcore.Response:
-        if request.url.scheme not in (b"http", b"https"):
-            raise httpcore.UnsupportedProtocol(f"unsupported scheme {request.url.scheme!r}")
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        """Send ``request`` on a connection of its own; closing the response gives the connection back."""
+        url = request.url
+        if url.raw_scheme not in (b"http", b"https"):
+            raise httpx.UnsupportedProtocol(f"unsupported scheme {url.scheme!r}")
         if self._closed:
-            raise RuntimeError("the connection pool is closed")
+            raise RuntimeError("the transport is closed")
+        assert isinstance(request.stream, httpx.AsyncByteStream)
         if self._slots is not None:
             timeout = request.extensions.get("timeout", {}).get("pool")
             try:
                 async with asyncio.timeout(timeout):
                     await self._slots.acquire()
             except TimeoutError:
-                raise httpcore.PoolTimeout("no connection became free within the pool timeout") from None
+                raise httpx.PoolTimeout("no connection became free within the pool timeout") from None
+        core_request = httpcore.Request(
+            method=request.method,
+            url=httpcore.URL(scheme=url.raw_scheme, host=url.raw_host, port=url.port, target=url.raw_path),
+            headers=request.headers.raw, content=request.stream, extensions=request.extensions)
+        origin = core_request.url.origin
+        key = (origin.scheme, origin.host, origin.port)
         connection: httpcore.AsyncHTTPConnection | None = None
         try:
-            origin = request.url.origin
-            idle = self._idle.get((origin.scheme, origin.host, origin.port))
+            idle = self._idle.get(key)
             while idle:
                 candidate = idle.pop()
                 if candidate.is_available() and not candidate.has_expired():
@@ -74,59 +107,56 @@ class _KeepAlivePool(httpcore.AsyncConnectionPool):
                 connection = httpcore.AsyncHTTPConnection(
                     origin, ssl_context=self._ssl_context, keepalive_expiry=self._keepalive_expiry,
                     network_backend=_COALESCING)
-            response = await connection.handle_async_request(request)
-        except BaseException:
+            response = await connection.handle_async_request(core_request)
+        except BaseException as exc:
+            # A connection in doubt (an error, a cancellation mid-request) is closed, never pooled.
             if connection is not None:
                 await connection.aclose()
             self._release()
-            raise
-        return httpcore.Response(
-            status=response.status, headers=response.headers, extensions=response.extensions,
-            content=_Returning(self, origin, connection, response),
-        )
+            _raise_mapped(exc)
+        return httpx.Response(status_code=response.status, headers=response.headers,
+                              stream=_Returning(self, key, connection, response), extensions=response.extensions)
 
     def _release(self) -> None:
         if self._slots is not None:
             self._slots.release()
 
-    async def _give_back(self, origin: httpcore.Origin, connection: httpcore.AsyncHTTPConnection) -> None:
+    async def _give_back(self, key: _Key, connection: httpcore.AsyncHTTPConnection) -> None:
         if connection.is_available() and not self._closed:
-            self._idle.setdefault((origin.scheme, origin.host, origin.port), []).append(connection)
+            self._idle.setdefault(key, []).append(connection)
         else:
             await connection.aclose()
         self._release()
 
     async def aclose(self) -> None:
+        """Close the idle connections; a response still open closes its own when it is closed."""
         self._closed = True
         idle, self._idle = self._idle, {}
         for connections in idle.values():
             for connection in connections:
                 await connection.aclose()
 
-    async def __aexit__(self, exc_type: type[BaseException] | None = None,
-                        exc_value: BaseException | None = None, traceback: TracebackType | None = None) -> None:
-        await self.aclose()
-
     @property
-    def connections(self) -> list[httpcore.AsyncConnectionInterface]:
+    def connections(self) -> list[httpcore.AsyncHTTPConnection]:
+        """The idle connections, ready for a request."""
         return [c for connections in self._idle.values() for c in connections]
 
 
-class _Returning:
+class _Returning(httpx.AsyncByteStream):
     """The response body; closing it returns the connection (and its slot) to the pool."""
 
-    def __init__(self, pool: _KeepAlivePool, origin: httpcore.Origin, connection: httpcore.AsyncHTTPConnection,
+    def __init__(self, transport: KeepAliveTransport, key: _Key, connection: httpcore.AsyncHTTPConnection,
                  response: httpcore.Response) -> None:
-        self._pool, self._origin, self._connection, self._response = pool, origin, connection, response
+        self._transport, self._key, self._connection, self._response = transport, key, connection, response
         self._done = False
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         try:
             async for chunk in self._response.aiter_stream():
                 yield chunk
-        except BaseException:
+        except BaseException as exc:
             await self.aclose()
-            raise
+            _raise_mapped(exc)
 
     async def aclose(self) -> None:
         if self._done:
@@ -134,8 +164,10 @@ class _Returning:
         self._done = True
         try:
             await self._response.aclose()
+        except Exception as exc:
+            _raise_mapped(exc)
         finally:
-            await self._pool._give_back(self._origin, self._connection)
+            await self._transport._give_back(self._key, self._connection)
 
 
 class _CoalescingBackend(httpcore.AsyncNetworkBackend):

@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 from consumer_kit.coordinator.transport import KeepAliveTransport
+from consumer_kit.testing.server import free_port
 
 
 @dataclass
@@ -114,3 +115,51 @@ async def test_a_cancelled_request_gives_its_slot_back(recorder: Recorder) -> No
         with pytest.raises(asyncio.CancelledError):
             await stuck
         assert (await client.post(url(recorder), content=b"y")).status_code == 200
+
+
+async def test_an_idle_connection_past_keepalive_expiry_is_not_reused(recorder: Recorder) -> None:
+    transport = KeepAliveTransport(limits=httpx.Limits(max_connections=4, keepalive_expiry=0.1))
+    async with httpx.AsyncClient(transport=transport) as client:
+        assert (await client.post(url(recorder), content=b"x")).text == "ok"
+        assert (await client.post(url(recorder), content=b"x")).text == "ok"  # within the expiry: reused
+        await asyncio.sleep(0.3)
+        assert (await client.post(url(recorder), content=b"x")).text == "ok"
+    assert recorder.connections == 2
+
+
+async def _misbehaving(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    head = await reader.readuntil(b"\r\n\r\n")
+    path = head.split(b" ", 2)[1]
+    if path == b"/garbage":
+        writer.write(b"this is not HTTP\r\n\r\n")
+    elif path == b"/cut":
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\nonly a part")
+    elif path == b"/silent":
+        await reader.read()  # no answer; until the client gives up
+    await writer.drain()
+    writer.close()
+    await writer.wait_closed()
+
+
+@pytest.mark.parametrize("path", ["/garbage", "/cut", "/silent", "refused", "ftp"])
+async def test_failures_are_the_httpx_exceptions_httpx_own_transport_raises(path: str) -> None:
+    """The exception map repeats httpx's (which is private): each failure must come out as the same
+    httpx exception from both transports, so this fails if httpx or httpcore change theirs."""
+    server = await asyncio.start_server(_misbehaving, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    target = {"refused": f"http://127.0.0.1:{free_port()}/", "ftp": "ftp://127.0.0.1/"}.get(
+        path, f"http://127.0.0.1:{port}{path}")
+    raised: list[type[BaseException]] = []
+    try:
+        for transport in (httpx.AsyncHTTPTransport(), KeepAliveTransport()):
+            async with httpx.AsyncClient(transport=transport, timeout=httpx.Timeout(5.0, read=0.2)) as client:
+                with pytest.raises(httpx.TransportError) as caught:
+                    await client.get(target)
+                raised.append(caught.type)
+    finally:
+        server.close()
+        await server.wait_closed()
+    assert raised[0] is raised[1], raised
+    assert raised[0] is {"/garbage": httpx.RemoteProtocolError, "/cut": httpx.RemoteProtocolError,
+                         "/silent": httpx.ReadTimeout, "refused": httpx.ConnectError,
+                         "ftp": httpx.UnsupportedProtocol}[path]
