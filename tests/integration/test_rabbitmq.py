@@ -119,7 +119,7 @@ async def test_a_message_that_cannot_be_read_is_dead_lettered_not_held(pg: str, 
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """Reading a message into a delivery raises nowhere we know of; if it did, the message would be held
     unacked and fail again on every redelivery. It is dead-lettered with its reason instead."""
-    import consumer_kit.sources.rabbitmq as rabbitmq
+    import consumer_kit.sources.rabbitmq.source as rabbitmq  # the source's reader, where it calls it
 
     real = rabbitmq.to_delivery
 

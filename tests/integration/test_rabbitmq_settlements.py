@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import aio_pika
 import pytest
 
-from consumer_kit.sources.rabbitmq import _Settlements
+from consumer_kit.sources.rabbitmq.settlement import Settlements
 from tests.integration.rabbit import AMQP_URL, publish
 
 pytestmark = pytest.mark.asyncio
@@ -33,7 +33,7 @@ class Received:
     connection: aio_pika.abc.AbstractConnection
     channel: aio_pika.abc.AbstractChannel
     messages: list[aio_pika.abc.AbstractIncomingMessage]
-    settlements: _Settlements
+    settlements: Settlements
     queue: str
     dead: str
 
@@ -48,7 +48,7 @@ class Received:
 @contextlib.asynccontextmanager
 async def all_received(count: int) -> AsyncIterator[Received]:
     """``count`` messages published to a fresh queue (dead-lettered to another) and all delivered,
-    unsettled, to one channel whose deliveries a ``_Settlements`` knows; both queues deleted after."""
+    unsettled, to one channel whose deliveries a ``Settlements`` knows; both queues deleted after."""
     queue, dead = f"settle-{uuid.uuid4().hex[:8]}", f"settle-{uuid.uuid4().hex[:8]}.dead"
     connection = await aio_pika.connect(AMQP_URL)
     try:
@@ -69,7 +69,7 @@ async def all_received(count: int) -> AsyncIterator[Received]:
 
         await (await channel.get_queue(queue)).consume(on_message)
         await asyncio.wait_for(all_in.wait(), 30)
-        settlements = _Settlements()
+        settlements = Settlements()
         for message in received:
             settlements.received(message)
         yield Received(connection, channel, received, settlements, queue, dead)
