@@ -14,16 +14,15 @@ from pydantic import ValidationError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from consumer_kit import metrics, tracing
-from consumer_kit.coordinator.embedded import EmbeddedCoordinator
-from consumer_kit.coordinator.http import HttpCoordinator
-from consumer_kit.coordinator.protocol import Coordinator, SessionRequest
+from consumer_kit.coordinator.default import default_coordinator
+from consumer_kit.coordinator.protocol import Coordinator, CoordinatorLifecycle, SessionRequest
 from consumer_kit.delivery import Decided, Delivery, ReportsReadiness, Result, Source, StoreSource
 from consumer_kit.errors import ConfigurationError, InvalidKey
 from consumer_kit.keys import OperationKey
 from consumer_kit.outbox import OutboxRelay, Publisher
 from consumer_kit.pipeline import Batch, Handler, HandlerSpec, Pipeline
-from consumer_kit.retry import RetryPolicy
 from consumer_kit.settings import Settings
+from consumer_kit.source_store import ScheduleStore, SourceStore
 from consumer_kit.store import DeadLetters, Inbox, Outbox, create_engine, ensure_schema, schema_revisions, utcnow
 from consumer_kit.store.connections import Database
 from consumer_kit.store.database import AppMigrations
@@ -179,7 +178,7 @@ class ConsumerApp:
     @property
     def outbox(self) -> Outbox:
         """The outbox store (available once started)."""
-        return Outbox(self.database, clock=self.clock)
+        return Outbox(self.database, clock=self.clock, trace_headers=tracing.current_headers)
 
     @property
     def database(self) -> Database:
@@ -245,8 +244,8 @@ class ConsumerApp:
         tracer = tracing.start(self.tracer_provider)
         self._http = httpx.AsyncClient(timeout=httpx.Timeout(20.0), event_hooks={
             "request": [tracing.inject_request] if tracer is not None else []})
-        self._coordinator = self._given_coordinator or self._default_coordinator(database)
-        if isinstance(self._coordinator, EmbeddedCoordinator) and any(s.labels or s.task for s in self.specs):
+        self._coordinator = self._given_coordinator or default_coordinator(settings, database, clock=self.clock)
+        if isinstance(self._coordinator, CoordinatorLifecycle) and any(s.wants_session for s in self.specs):
             await self._coordinator.open()
         self._pipeline = Pipeline(
             settings=settings,
@@ -271,7 +270,8 @@ class ConsumerApp:
             self._relay = asyncio.create_task(relay.run(self._relay_stop), name="consumer-kit-relay")
         for spec in self.specs:
             if isinstance(spec.source, StoreSource):
-                spec.source.use_store(database, consumer=spec.consumer, settings=settings)
+                spec.source.use_store(SourceStore(consumer=spec.consumer, schedules=ScheduleStore(database),
+                                                  inbox=self.inbox, settings=settings))
         try:
             for spec in self.specs:
                 if sources is None or any(spec.source is chosen for chosen in sources):
@@ -303,18 +303,6 @@ class ConsumerApp:
                   ", and the worker stops" if self._stop_on_failure else "")
         for stop in self._stop_on_failure:
             stop.set()
-
-    def _default_coordinator(self, database: Database) -> Coordinator:
-        settings = self.settings
-        if settings.coordinator_url:
-            if settings.coordinator_token is None:
-                raise ConfigurationError("COORDINATOR_URL is set but COORDINATOR_TOKEN is not")
-            return HttpCoordinator(
-                settings.coordinator_url, token=settings.coordinator_token.get_secret_value(),
-                policy=RetryPolicy(attempts=settings.coordinator_retry_attempts,
-                                   total_seconds=settings.coordinator_retry_seconds),
-            )
-        return EmbeddedCoordinator(database, settings, clock=self.clock)
 
     def _dispatcher(self, spec: HandlerSpec) -> _Dispatch:
         assert self._drained is not None
@@ -360,8 +348,8 @@ class ConsumerApp:
         if self._http is not None:
             await self._http.aclose()
             self._http = None
-        if isinstance(self._coordinator, HttpCoordinator) and self._given_coordinator is None:
-            await self._coordinator.aclose()
+        if isinstance(self._coordinator, CoordinatorLifecycle) and self._given_coordinator is None:
+            await self._coordinator.close()
         self._coordinator = None
         if self._database is not None:
             await self._database.close()
@@ -403,7 +391,7 @@ class ConsumerApp:
         """Delete expired inbox rows now, in batches; returns how many went."""
         swept = await self.inbox.sweep(batch_size=self.settings.sweep_batch_size)
         metrics.SWEPT.labels("inbox").inc(swept)
-        if isinstance(self._coordinator, EmbeddedCoordinator):
+        if isinstance(self._coordinator, CoordinatorLifecycle):
             swept += await self._coordinator.sweep()
         return swept
 

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 from consumer_kit.delivery import Dispatch, Outcome, RefusedReplay, Replayed, Result, Settlement
 from consumer_kit.errors import InvalidKey, MissingStableId
 from consumer_kit.keys import KeyDigester, short
-from consumer_kit.pipeline.work import redact
+from consumer_kit.redaction import redact
 
 if TYPE_CHECKING:
     from consumer_kit.app import ConsumerApp

@@ -217,7 +217,7 @@ class _SessionStep:
 
     def __init__(self, coordinator: EmbeddedCoordinator) -> None:
         self.coordinator = coordinator
-        self._rides = coordinator.database.dialect == "postgresql"
+        self._rides = coordinator.database.can.writes_in_claim
 
     def prepare(self, request: SessionRequest, *, idempotency_key: str,
                 request_fingerprint: str | None = None) -> Creation | None:

@@ -88,6 +88,19 @@ class HttpCoordinator(SessionScope):
         if self._own_client:
             await self._client.aclose()
 
+    async def open(self) -> None:
+        """See :class:`~consumer_kit.coordinator.protocol.CoordinatorLifecycle`: nothing to prepare (the
+        client connects on its first request)."""
+
+    async def sweep(self) -> int:
+        """See :class:`~consumer_kit.coordinator.protocol.CoordinatorLifecycle`: none (the receipts are
+        the server's, which sweeps them)."""
+        return 0
+
+    async def close(self) -> None:
+        """See :class:`~consumer_kit.coordinator.protocol.CoordinatorLifecycle`: :meth:`aclose`."""
+        await self.aclose()
+
     async def create_session(
         self, request: SessionRequest, *, idempotency_key: str | None = None
     ) -> SessionReceipt:

@@ -203,3 +203,23 @@ class SessionsInTransaction(Protocol):
         """The step for deliveries on ``database``, or ``None`` when this coordinator's sessions live
         elsewhere (the pipeline then creates them before the handler and ends them after the commit)."""
         ...
+
+
+@runtime_checkable
+class CoordinatorLifecycle(Protocol):
+    """An optional protocol: a coordinator with work of its own over the app's life. The app calls
+    :meth:`open` as it starts (when a handler asks for sessions), :meth:`sweep` with each sweep of the
+    inbox, and :meth:`close` as it stops (only a coordinator it made itself: one a user passes in
+    stays the user's to close)."""
+
+    async def open(self) -> None:
+        """Get ready for the first creations (idempotent)."""
+        ...
+
+    async def sweep(self) -> int:
+        """Delete what this coordinator keeps past its retention; how many records went."""
+        ...
+
+    async def close(self) -> None:
+        """Release what this coordinator opened of its own."""
+        ...

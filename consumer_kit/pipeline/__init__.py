@@ -15,13 +15,14 @@ Who calls whom::
     Pipeline.process ──> LeasedPath (leased.py) ──┐
          │          └──> SinglePath (single.py) ──┼──> Fate (fate.py): every failure -> its settlement,
          │                                        │    the one retry loop, parking
-         └── park INVALID                         └──> run_handler (work.py) -> the handler, in the
-                                                       delivery's transaction
+         └── park INVALID                         └──> HandlerRunner (running.py) -> the handler, in
+                                                       the delivery's transaction
     all of them ──> store: Inbox, DeadLetters, Outbox (on one Executor per delivery)
 
 A delivery that cannot be keyed is parked here; everything else is one path's business. When tracing
 is on (:mod:`consumer_kit.tracing`), ``process`` makes the delivery's span and each path its children
-(``span``, ``commit_span`` and ``run_handler`` in work.py); when it is off they are ``None`` checks.
+(``span``, ``commit_span`` and ``HandlerRunner`` in running.py); when it is off they are ``None`` checks.
+What a handler is registered with is :mod:`.spec`; one delivery in flight, :class:`~.work.Work`.
 """
 
 from __future__ import annotations
@@ -37,30 +38,22 @@ from consumer_kit.coordinator.protocol import Coordinator, SessionsInTransaction
 from consumer_kit.delivery import Decided, Delivery, Outcome, RefusedReplay, Result, Settlement
 from consumer_kit.errors import ConfigurationError, InvalidKey, InvalidReplay, MissingStableId
 from consumer_kit.keys import KeyDigester, short
-from consumer_kit.pipeline.batch import Batch, BatchedPath
+from consumer_kit.pipeline.batch import BatchedPath
 from consumer_kit.pipeline.fate import Fate
 from consumer_kit.pipeline.leased import LeasedPath
+from consumer_kit.pipeline.running import HandlerRunner, Stores
 from consumer_kit.pipeline.single import SinglePath
-from consumer_kit.pipeline.work import (
-    Handler,
-    HandlerSpec,
-    Stores,
-    Work,
-    describe,
-    format_exception,
-    log,
-    redact,
-    session_request,
-)
+from consumer_kit.pipeline.spec import Batch, Handler, HandlerSpec, session_request
+from consumer_kit.pipeline.work import Work, log
+from consumer_kit.redaction import describe
 from consumer_kit.settings import Settings
-from consumer_kit.store import DeadLetters, Inbox
-from consumer_kit.store.connections import Database
+from consumer_kit.store import Database, DeadLetters, Inbox
 from consumer_kit.store.diagnosis import missing_schema
 
 if TYPE_CHECKING:
     from consumer_kit.tracing.spans import DeliveryTrace, DeliveryTracer
 
-__all__ = ["Batch", "Handler", "HandlerSpec", "Pipeline", "format_exception", "redact", "session_request"]
+__all__ = ["Batch", "Handler", "HandlerSpec", "Pipeline", "session_request"]
 
 
 class Pipeline:
@@ -86,13 +79,14 @@ class Pipeline:
         self.digester = digester
         self.coordinator = coordinator
         self.tracer = tracer  # None: tracing is off, and no delivery pays for it
-        self.stores = Stores(settings, database, inbox, dead_letters, digester, http, tracer, on_fatal)
-        self.fate = Fate(self.stores)
+        self.stores = Stores(database, inbox, dead_letters)
+        self.fate = Fate(self.stores, settings, on_fatal)
+        runner = HandlerRunner(digester, inbox.clock, http)
         # Asked once: can the coordinator keep a delivery's session inside the delivery's transaction?
         step = coordinator.session_step(database) if isinstance(coordinator, SessionsInTransaction) else None
-        self.leased = LeasedPath(self.stores, self.fate, coordinator, step)
-        self.single = SinglePath(self.stores, self.fate)
-        self.batched = BatchedPath(self.stores, self.fate, self.single)
+        self.leased = LeasedPath(self.stores, self.fate, runner, settings, coordinator, step)
+        self.single = SinglePath(self.stores, self.fate, runner)
+        self.batched = BatchedPath(self.stores, self.fate, runner, self.single, tracer)
         self._metrics: dict[str, metrics.SourceMetrics] = {}
 
     async def close(self) -> None:
@@ -182,7 +176,7 @@ class Pipeline:
         """The result of a delivery the store failed under: nothing was decided, so try it again."""
         schema = missing_schema(exc)
         if schema is not None:  # consumer-kit's own tables are gone: no delivery can get past that
-            self.stores.fatal(schema)
+            self.fate.fatal(schema)
         else:
             log.error("delivery failed before settlement (%s); retrying later", describe(exc, None),
                       extra={"source": spec.source.name})

@@ -29,45 +29,19 @@ import collections
 import functools
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from consumer_kit import metrics
 from consumer_kit.delivery import Outcome, Result, Settlement
 from consumer_kit.pipeline.fate import Fate
-from consumer_kit.pipeline.work import NO_COMMIT, NO_SPAN, PROCESSED, Stores, Work, log, run_handler
-from consumer_kit.store.executor import Executor
-from consumer_kit.store.inbox import BatchKey, Claim, ClaimStatus
-from consumer_kit.store.staged import StagedWrites
+from consumer_kit.pipeline.running import NO_COMMIT, NO_SPAN, HandlerRunner, Stores
+from consumer_kit.pipeline.spec import Batch
+from consumer_kit.pipeline.work import PROCESSED, Work, log
+from consumer_kit.store import BatchKey, Claim, ClaimStatus, Executor, StagedWrites
 
 if TYPE_CHECKING:
     from consumer_kit.pipeline.single import SinglePath
-    from consumer_kit.tracing.spans import BatchTrace
-
-MAX_BATCH = 64
-"""The largest batch: PostgreSQL keeps 64 subtransactions per transaction in shared memory."""
-
-
-@dataclass(frozen=True, slots=True)
-class Batch:
-    """How a handler's deliveries are gathered into one transaction: up to ``max_size`` (at most 64),
-    waiting at most ``max_wait_ms`` after the first for more to arrive, with at most
-    ``max_concurrent`` batches of the handler running at once. While they run, what arrives gathers
-    into the next batch, which starts as soon as one ends: a busy consumer runs full batches (one
-    claim, one commit and one acknowledgement for many deliveries), a quiet one waits at most
-    ``max_wait_ms``."""
-
-    max_size: int = 64
-    max_wait_ms: float = 5.0
-    max_concurrent: int = 2
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.max_size <= MAX_BATCH:
-            raise ValueError(f"Batch.max_size must be between 1 and {MAX_BATCH}")
-        if self.max_wait_ms < 0:
-            raise ValueError("Batch.max_wait_ms cannot be negative")
-        if self.max_concurrent < 1:
-            raise ValueError("Batch.max_concurrent must be at least 1")
+    from consumer_kit.tracing.spans import BatchTrace, DeliveryTracer
 
 
 Told = Callable[[Result | BaseException], None]
@@ -94,19 +68,22 @@ class _HandlerFailed(Exception):
 class BatchedPath:
     """Gathers the deliveries of each batched handler and runs them a batch a transaction."""
 
-    def __init__(self, stores: Stores, fate: Fate, single: SinglePath) -> None:
+    def __init__(self, stores: Stores, fate: Fate, runner: HandlerRunner, single: SinglePath,
+                 tracer: DeliveryTracer | None) -> None:
         self.stores = stores
         self.fate = fate
+        self.runner = runner
         self.single = single
+        self.tracer = tracer
         # Per handler, the deliveries gathering for its next batch, each with whom to tell its result
         # (or the exception that failed the batch): a future's setter, or Pipeline.soon's callback.
         self._waiting: dict[str, list[tuple[Work, Told]]] = {}
         self._timers: dict[str, asyncio.TimerHandle] = {}
         self._active: collections.Counter[str] = collections.Counter()  # batches running, per handler
         self._running: set[asyncio.Task[None]] = set()
-        # SQLite has one writer: a second batch would only wait for the write lock, and, measured under
+        # One writer (SQLite): a second batch would only wait for the write lock, and, measured under
         # load, a batch waiting on one whose write failed could wait out the busy timeout (30 s).
-        self._one_writer = stores.database.dialect == "sqlite"
+        self._one_writer = stores.database.can.one_writer
         # Keys that failed inside a batch (bounded: the oldest are forgotten first).
         self._failed: collections.OrderedDict[str, None] = collections.OrderedDict()
 
@@ -182,7 +159,7 @@ class BatchedPath:
 
     async def _settle(self, items: list[tuple[Work, Told]]) -> None:
         told = {id(work): tell for work, tell in items}
-        tracer = self.stores.tracer
+        tracer = self.tracer
         # Traced: the batch's span is current in its task (which was started from some delivery's).
         trace = tracer.batch(work for work, _ in items) if tracer is not None else None
 
@@ -274,7 +251,7 @@ class BatchedPath:
                         settled.append((work, claim))
                 for work in ran:
                     try:
-                        await run_handler(stores, ex, work, links, staged)
+                        await self.runner.run(ex, work, links, staged)
                     except Exception as exc:
                         work.log(logging.INFO, f"handler failed in a batch ({type(exc).__name__}); it runs alone")
                         raise _HandlerFailed(work) from exc

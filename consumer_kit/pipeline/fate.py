@@ -23,12 +23,15 @@ from typing import TypeVar
 
 from consumer_kit import metrics
 from consumer_kit.delivery import Delivery, Outcome, Result, Settlement
-from consumer_kit.errors import LeaseLost, RetryableError, SchemaMissing, TerminalError
-from consumer_kit.pipeline.work import DuplicateShare, HandlerSpec, Stores, Work, describe, log, span, usable
-from consumer_kit.store import Claim, ClaimStatus
+from consumer_kit.errors import ConfigurationError, LeaseLost, RetryableError, SchemaMissing, TerminalError
+from consumer_kit.pipeline.duplicates import DuplicateShare
+from consumer_kit.pipeline.running import Stores, span, usable
+from consumer_kit.pipeline.spec import HandlerSpec
+from consumer_kit.pipeline.work import Work, log
+from consumer_kit.redaction import describe
+from consumer_kit.settings import Settings
+from consumer_kit.store import Claim, ClaimStatus, Executor, claimable, verdict
 from consumer_kit.store.diagnosis import missing_schema
-from consumer_kit.store.executor import Executor
-from consumer_kit.store.inbox import claimable, verdict
 
 T = TypeVar("T")
 
@@ -50,9 +53,19 @@ class Failed:
 class Fate:
     """Maps outcomes to settlements (see the module docstring)."""
 
-    def __init__(self, stores: Stores) -> None:
+    def __init__(self, stores: Stores, settings: Settings,
+                 on_fatal: Callable[[ConfigurationError], None] | None = None) -> None:
+        """``on_fatal`` is told of a deployment error no delivery can get past (a missing table)."""
         self.stores = stores
-        self.settings = stores.settings
+        self.settings = settings
+        self.on_fatal = on_fatal
+
+    def fatal(self, error: ConfigurationError) -> None:
+        """Report ``error`` to whoever runs the pipeline (the app stops), or log it when nobody listens."""
+        if self.on_fatal is not None:
+            self.on_fatal(error)
+        else:
+            log.error("%s", error)
 
     async def attempts(self, work: Work, ex: Executor, attempt: Callable[[], Awaitable[T]]) -> T | Failed:
         """The retry loop: ``attempt()`` on ``ex`` until it succeeds, or the failure that ends the loop
@@ -90,7 +103,7 @@ class Fate:
         if isinstance(exc, SchemaMissing):
             if give_back is not None:
                 await give_back(detail)
-            self.stores.fatal(exc)
+            self.fatal(exc)
             return Result(Outcome.RETRY, Settlement.RETRY_LATER, "schema_missing",
                           delay=self.settings.retry_later_seconds, key_digest=work.digest)
         if isinstance(exc, TerminalError):
@@ -163,7 +176,7 @@ class Fate:
         claim = work.claim
         assert claim is not None
         stores = self.stores
-        async with usable(stores, ex) as on, on.begin():
+        async with usable(stores.database, ex) as on, on.begin():
             await stores.inbox.mark_dead(on, work.spec.consumer, claim.digest, claim.lease_token, reason=reason)
             await self.park(work.spec, work.delivery, claim.digest, reason, detail, attempts=work.attempts, ex=on)
         work.log(logging.WARNING, f"delivery parked: {reason} ({detail})")
@@ -173,7 +186,7 @@ class Fate:
                    *, attempts: int, ex: Executor | None) -> None:
         """Keep the delivery (raw body, headers, reason) for an operator, on ``ex`` (see :func:`usable`);
         never drop it."""
-        async with usable(self.stores, ex) as on:
+        async with usable(self.stores.database, ex) as on:
             await self.stores.dead_letters.park(
                 on, consumer=spec.consumer, source=spec.source.name, namespace=spec.source.namespace,
                 version=spec.source.version, key_digest=digest, reason=reason, detail=detail,

@@ -38,39 +38,33 @@ from consumer_kit.coordinator.protocol import (
 from consumer_kit.coordinator.protocol import fingerprint as request_digest
 from consumer_kit.delivery import Outcome, Result, Settlement
 from consumer_kit.errors import IdempotencyKeyConflict, IdempotencyResultInactive, LeaseLost, TerminalError
+from consumer_kit.pipeline.duplicates import DuplicateShare
 from consumer_kit.pipeline.fate import Failed, Fate
-from consumer_kit.pipeline.work import (
-    PROCESSED,
-    DuplicateShare,
-    HandlerSpec,
-    Stores,
-    Work,
-    commit_span,
-    describe,
-    redact,
-    run_handler,
-    session_request,
-    span,
-    usable,
-)
-from consumer_kit.store.executor import Executor
+from consumer_kit.pipeline.running import HandlerRunner, Stores, commit_span, span, usable
+from consumer_kit.pipeline.spec import HandlerSpec, session_request
+from consumer_kit.pipeline.work import PROCESSED, Work
+from consumer_kit.redaction import describe, redact
+from consumer_kit.settings import Settings
+from consumer_kit.store import Executor
 from consumer_kit.store.receipts import Creation
 
 
 class LeasedPath:
     """Runs deliveries of handlers without ``single_transaction``."""
 
-    def __init__(self, stores: Stores, fate: Fate, coordinator: Coordinator | None,
-                 step: SessionStep | None) -> None:
+    def __init__(self, stores: Stores, fate: Fate, runner: HandlerRunner, settings: Settings,
+                 coordinator: Coordinator | None, step: SessionStep | None) -> None:
         self.stores = stores
         self.fate = fate
+        self.runner = runner
+        self.settings = settings
         self.coordinator = coordinator
         self.step = step
         self._requests: dict[str, tuple[HandlerSpec, SessionRequest, str]] = {}
         # On PostgreSQL the claim statement answers a duplicate by itself, but a plain read does it at
         # a quarter of the server's time: read first while duplicates are common (see DuplicateShare).
         self._duplicates = DuplicateShare(0.25)
-        self._heartbeats = Heartbeats(stores.settings.heartbeat_seconds, self._renew)
+        self._heartbeats = Heartbeats(settings.heartbeat_seconds, self._renew)
 
     async def run(self, work: Work) -> Result:
         """Claim, open the session, run the handler's attempts and settle."""
@@ -88,9 +82,9 @@ class LeasedPath:
             self._heartbeats.remove(work)
 
     async def _run(self, work: Work) -> Result:
-        spec, inbox = work.spec, self.stores.inbox
+        spec = work.spec
         read_first = self._duplicates.read_first(spec.consumer)
-        if read_first and inbox.shares_reads:  # a duplicate then takes no connection of its own
+        if read_first and self.stores.database.can.shared_reads:  # a duplicate then takes no connection of its own
             settled, read_first = await self.fate.looked_up(work, self._duplicates)
             if settled is not None:
                 return settled
@@ -139,7 +133,7 @@ class LeasedPath:
         assert claim is not None and claim.lease_token is not None
         with commit_span(work) as committing:
             async with ex.begin(deferred=True):
-                await run_handler(stores, ex, work)
+                await self.runner.run(ex, work)
                 committing()
                 ending = step.ending(receipt.session_id) if step is not None and receipt is not None else None
                 if not await stores.inbox.complete(ex, work.spec.consumer, claim.digest, claim.lease_token,
@@ -157,7 +151,7 @@ class LeasedPath:
             return None, None
         try:
             if callable(spec.task):
-                work.request, request_fingerprint = session_request(spec, work.delivery, self.stores.settings), None
+                work.request, request_fingerprint = session_request(spec, work.delivery, self.settings), None
             else:
                 work.request, request_fingerprint = self._static_request(spec, work)
         except ValidationError as exc:  # the task this delivery gave is not one (too long, not text)
@@ -172,7 +166,7 @@ class LeasedPath:
         """Labels and a fixed task: the same request (and fingerprint) for every delivery, built once."""
         cached = self._requests.get(spec.consumer)
         if cached is None or cached[0] is not spec:
-            request = session_request(spec, work.delivery, self.stores.settings)
+            request = session_request(spec, work.delivery, self.settings)
             cached = self._requests[spec.consumer] = (spec, request, request_digest("session", request))
         return cached[1], cached[2]
 
@@ -217,7 +211,7 @@ class LeasedPath:
         told so or when ``ex`` was lost."""
         claim = work.claim
         assert claim is not None and claim.lease_token is not None
-        async with (self.stores.database.aside(ex) if aside else usable(self.stores, ex)) as on:
+        async with (self.stores.database.aside(ex) if aside else usable(self.stores.database, ex)) as on:
             await self.stores.inbox.release(on, work.spec.consumer, claim.digest, claim.lease_token, error=error)
 
     async def _renew(self, work: Work) -> None:
@@ -227,7 +221,7 @@ class LeasedPath:
         if claim is None or claim.lease_token is None:
             return  # not (yet) ours
         token = claim.lease_token
-        interval = stores.settings.heartbeat_seconds
+        interval = self.settings.heartbeat_seconds
         while True:
             try:
                 async with stores.database.aside(work.connection) as ex:

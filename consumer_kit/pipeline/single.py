@@ -16,7 +16,8 @@ new key it is one round trip more than the transaction needs (its insert finds a
 duplicate too, at the price of a transaction begun and rolled back). So on PostgreSQL each handler
 keeps a running estimate of how many of its deliveries are duplicates, and reads first only while
 that is above :data:`READ_FIRST_ABOVE` (expected round trips: ``1 + 4(1 - d)`` reading first, ``4``
-not). SQLite always reads first: there a transaction that writes takes the database's one write lock.
+not). A database with one writer (SQLite) always reads first: there a transaction that writes takes its
+one write lock.
 """
 
 from __future__ import annotations
@@ -24,22 +25,12 @@ from __future__ import annotations
 import logging
 
 from consumer_kit.delivery import Outcome, Result, Settlement
+from consumer_kit.pipeline.duplicates import DuplicateShare
 from consumer_kit.pipeline.fate import Failed, Fate, NotAcquired
-from consumer_kit.pipeline.work import (
-    PROCESSED,
-    TAKEN,
-    DuplicateShare,
-    Stores,
-    Work,
-    commit_span,
-    describe,
-    run_handler,
-    span,
-    usable,
-)
-from consumer_kit.store import Claim, ClaimStatus
-from consumer_kit.store.executor import Executor
-from consumer_kit.store.inbox import claimable, verdict
+from consumer_kit.pipeline.running import HandlerRunner, Stores, commit_span, span, usable
+from consumer_kit.pipeline.work import PROCESSED, TAKEN, Work
+from consumer_kit.redaction import describe
+from consumer_kit.store import Claim, ClaimStatus, Executor, claimable, verdict
 
 READ_FIRST_ABOVE = 0.25
 """The share of duplicates above which a delivery is looked up before its transaction."""
@@ -48,16 +39,17 @@ READ_FIRST_ABOVE = 0.25
 class SinglePath:
     """Runs deliveries of handlers registered with ``single_transaction=True``."""
 
-    def __init__(self, stores: Stores, fate: Fate) -> None:
+    def __init__(self, stores: Stores, fate: Fate, runner: HandlerRunner) -> None:
         self.stores = stores
         self.fate = fate
-        self._duplicates = DuplicateShare(READ_FIRST_ABOVE, always=stores.database.dialect != "postgresql")
+        self.runner = runner
+        self._duplicates = DuplicateShare(READ_FIRST_ABOVE, always=stores.database.can.one_writer)
 
     async def run(self, work: Work) -> Result:
         """Look (while duplicates are common), then claim and run in one transaction; settle."""
         stores, spec, inbox = self.stores, work.spec, self.stores.inbox
         read_first = self._duplicates.read_first(spec.consumer)
-        if read_first and inbox.shares_reads:  # a duplicate then takes no connection of its own
+        if read_first and stores.database.can.shared_reads:  # a duplicate then takes no connection of its own
             settled, _ = await self.fate.looked_up(work, self._duplicates)
             if settled is not None:
                 return settled
@@ -85,7 +77,7 @@ class SinglePath:
         if isinstance(error, NotAcquired):
             return await self.fate.not_acquired(work, error.claim, ex)
         # Remember the failed attempt (unleased), so that the count survives redeliveries.
-        async with usable(stores, ex) as on:
+        async with usable(stores.database, ex) as on:
             attempts = await stores.inbox.record_failure(
                 on, spec.consumer, work.digests, work.fingerprint, namespace=work.key.namespace,
                 version=work.key.version, error=describe(error, work.key))
@@ -103,5 +95,5 @@ class SinglePath:
                 if not claim.acquired:
                     raise NotAcquired(claim)
                 work.claim = claim
-                await run_handler(stores, ex, work)
+                await self.runner.run(ex, work)
                 committing()

@@ -5,7 +5,7 @@ coordinator's receipts; plus schema management.
 The store owns every SQL statement; the pipeline, the coordinator and the sources call its methods.
 """
 
-from consumer_kit.store.connections import Database
+from consumer_kit.store.connections import Capabilities, Database
 from consumer_kit.store.database import (
     AppMigrations,
     app_revisions,
@@ -17,14 +17,18 @@ from consumer_kit.store.database import (
 )
 from consumer_kit.store.dead_letters import DeadLetter, DeadLetters, ParkedFilter
 from consumer_kit.store.executor import Executor
-from consumer_kit.store.inbox import Claim, ClaimStatus, Inbox, utcnow
+from consumer_kit.store.inbox import BatchKey, Claim, ClaimStatus, Clock, Inbox, claimable, utcnow, verdict
 from consumer_kit.store.outbox import Outbox, OutboxBatch, OutboxMessage, OutboxStats, OutboxWriter
+from consumer_kit.store.staged import StagedWrites
 from consumer_kit.store.tables import dead_letters, inbox, metadata, outbox
 
 __all__ = [
     "AppMigrations",
+    "BatchKey",
+    "Capabilities",
     "Claim",
     "ClaimStatus",
+    "Clock",
     "Database",
     "DeadLetter",
     "DeadLetters",
@@ -36,8 +40,10 @@ __all__ = [
     "OutboxStats",
     "OutboxWriter",
     "ParkedFilter",
+    "StagedWrites",
     "app_revisions",
     "check_schema",
+    "claimable",
     "create_engine",
     "dead_letters",
     "ensure_schema",
@@ -47,4 +53,5 @@ __all__ = [
     "schema_revisions",
     "upgrade",
     "utcnow",
+    "verdict",
 ]

@@ -16,6 +16,7 @@ import contextlib
 import json
 import logging
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import event
@@ -28,6 +29,26 @@ if TYPE_CHECKING:
     import asyncpg
 
 log = logging.getLogger("consumer_kit.store")
+
+
+@dataclass(frozen=True, slots=True)
+class Capabilities:
+    """What the database can do, as the layers above the store need to know it: they ask this, never
+    the database's name (:attr:`Database.can`)."""
+
+    shared_reads: bool
+    """Look-ups of many deliveries under way at once can be read together, in one statement on a
+    connection of the store's, so that a look before a claim takes no connection of the caller's."""
+    one_writer: bool
+    """One write transaction at a time (SQLite's database lock): a second writer only waits for the
+    first, and a read before a write costs less than a write that finds the key taken."""
+    writes_in_claim: bool
+    """One statement may write several tables (PostgreSQL's data-modifying CTEs): a coordinator's
+    session is created in the claim's statement and ended in the completion's."""
+
+
+POSTGRESQL = Capabilities(shared_reads=True, one_writer=False, writes_in_claim=True)
+SQLITE = Capabilities(shared_reads=False, one_writer=True, writes_in_claim=False)
 
 
 class Database:
@@ -44,6 +65,8 @@ class Database:
     def __init__(self, engine: AsyncEngine, *, pool_size: int | None = None) -> None:
         self.engine = engine
         self.dialect = engine.dialect.name
+        self.can = POSTGRESQL if self.dialect == "postgresql" else SQLITE
+        """What this database can do (see :class:`Capabilities`)."""
         self.asyncpg = engine.dialect.driver == "asyncpg"
         self._pool: asyncpg.Pool | None = None
         self._opening: asyncio.Future[asyncpg.Pool] | None = None

@@ -13,70 +13,18 @@ share a database must agree to within a small fraction of a lease (NTP does that
 from __future__ import annotations
 
 import asyncio
-import enum
 import secrets
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
-from typing import Any
+from collections.abc import Mapping, Sequence
+from datetime import timedelta
+from typing import Any, Protocol
 
 from consumer_kit.store import sql
+from consumer_kit.store.claims import BatchKey, Claim, ClaimStatus, Clock, claimable, utcnow, verdict
 from consumer_kit.store.connections import Database
 from consumer_kit.store.executor import Executor, Row, rerun_on_conflict
 from consumer_kit.store.receipts import Creation, Ending
 
-Clock = Callable[[], datetime]
-
-
-def utcnow() -> datetime:
-    """The default clock."""
-    return datetime.now(UTC)
-
-
-class ClaimStatus(enum.StrEnum):
-    """What a claim found."""
-
-    ACQUIRED = "acquired"  # new key, or an expired/released lease taken over: we hold the lease
-    COMPLETED = "completed"  # done before: replay, do not run
-    IN_PROGRESS = "in_progress"  # a live lease is held by another attempt
-    CONFLICT = "conflict"  # same key, different fingerprint
-    DEAD = "dead"  # parked before
-    SWEPT = "swept"  # done or parked before, and its record swept since: only its tombstone is left
-
-
-@dataclass(frozen=True, slots=True)
-class Claim:
-    """What :meth:`Inbox.claim` found. ``digest`` is the row's key digest (it may be the one written
-    under the previous HMAC key); ``lease_token`` is set only when ``ACQUIRED`` on the leased path.
-    ``carried`` is the row of a coordinator creation that rode on the claim (see :mod:`.receipts`)."""
-
-    status: ClaimStatus
-    digest: str
-    attempts: int
-    lease_token: str | None = None
-    locked_until: datetime | None = None
-    result: Any = None
-    carried: Row | None = None
-    took_over: bool = False  # the lease taken ran out without being given back (its holder died)
-
-    @property
-    def acquired(self) -> bool:
-        """Whether this attempt holds the key."""
-        return self.status is ClaimStatus.ACQUIRED
-
-
-@dataclass(frozen=True, slots=True)
-class BatchKey:
-    """One key of a batch's claim."""
-
-    digest: str
-    namespace: str
-    version: int
-    fingerprint: str
-
-
-_STATE_STATUS = {"completed": ClaimStatus.COMPLETED, "dead": ClaimStatus.DEAD}
-
+__all__ = ["BatchKey", "Claim", "ClaimStatus", "Clock", "Inbox", "claimable", "utcnow", "verdict"]
 
 class _SharedReads:
     """Look-ups of inbox rows, read together: the first starts a read at once, and those that arrive
@@ -134,14 +82,15 @@ class Inbox:
         self.tombstone = timedelta(seconds=tombstone_seconds)
         self.tombstones = tombstone_seconds > 0
         self.clock = clock
-        self._pg = database.dialect == "postgresql"
+        # The operations whose statements differ by database, chosen once (see _Postgres, _Sqlite).
+        self._dialect: _Dialect = _Postgres() if database.can.writes_in_claim else _Sqlite()
         self._reads = _SharedReads(database)
 
     @property
     def shares_reads(self) -> bool:
-        """Whether :meth:`look` reads on a connection of its own (PostgreSQL), so that a caller can
-        look before it takes one."""
-        return self._pg
+        """Whether :meth:`look` reads on a connection of its own (``Database.can.shared_reads``), so
+        that a caller can look before it takes one."""
+        return self.database.can.shared_reads
 
     async def lookup(self, ex: Executor, consumer: str, digests: Sequence[str]) -> Row | None:
         """The row stored under any of ``digests`` (current HMAC key first), without a lock."""
@@ -155,7 +104,7 @@ class Inbox:
         """:meth:`lookup` without a connection of the caller's (PostgreSQL only: see ``shares_reads``):
         the look-ups of many deliveries under way at once are read together, in one statement on one
         store connection, so that a duplicate costs a share of one read and holds no connection."""
-        assert self._pg, "shared reads are for PostgreSQL"
+        assert self.shares_reads, "shared reads are for PostgreSQL"
         return await self._reads.look(consumer, digests)
 
     async def claim(self, ex: Executor, consumer: str, digests: Sequence[str], fingerprint: str, *,
@@ -170,7 +119,7 @@ class Inbox:
         when duplicates are common)."""
         digest = digests[0]
         expired = False  # the row's lease ran out rather than being given back
-        if not self._pg or len(digests) > 1 or read_first:
+        if self._dialect.reads_first or len(digests) > 1 or read_first:
             # A plain read first: a redelivery of finished work then costs one indexed SELECT and no
             # write. (On PostgreSQL the claim statement makes the same test itself.)
             existing = await self.lookup(ex, consumer, digests)
@@ -178,45 +127,22 @@ class Inbox:
                 if not claimable(existing, fingerprint, self.clock()):
                     return verdict(existing, fingerprint)
                 digest, expired = existing["key_digest"], existing["locked_until"] is not None
-            elif not self._pg and await self._swept(ex, consumer, digests):
+            elif self._dialect.reads_first and await self._swept(ex, consumer, digests):
                 return Claim(ClaimStatus.SWEPT, digest, 0)
         now = self.clock()
         params = {"consumer": consumer, "key_digest": digest, "namespace": namespace, "version": version,
                   "fingerprint": fingerprint, "locked_until": now + self.lease,
                   "lease_token": secrets.token_hex(16), "now": now, "expires_at": now + self.retention,
                   "tombstones": self.tombstones}
-        if self._pg:
-            if creation is not None:
-                row = await rerun_on_conflict(ex.fetch_one, sql.CLAIM_CREATING_SESSION, {**params, **creation.params})
-            else:
-                row = await ex.fetch_one(sql.CLAIM, params)
-            assert row is not None
-            if row["claimed"] is not None:
-                return self._acquired(digest, row["claimed"], params, row if creation is not None else None,
-                                      took_over=row["inbox_locked_until"] is not None)
-            if row["tombstoned"]:
-                return Claim(ClaimStatus.SWEPT, digest, 0)
-            if row["inbox_state"] is not None:
-                seen = {name: row[f"inbox_{name}"] for name in
-                        ("state", "fingerprint", "locked_until", "attempts", "result")}
-                if not claimable(seen, fingerprint, now):
-                    return verdict({**seen, "key_digest": digest}, fingerprint)
-        else:
-            row = await ex.fetch_one(sql.CLAIM_SQLITE, params)
-            if row is not None:
-                return self._acquired(digest, row["attempts"], params, None, took_over=expired)
+        taken = await self._dialect.claim(ex, digest, fingerprint, params, creation, expired=expired)
+        if taken is not None:
+            return taken
         # Another claim got there after our statement's snapshot: its committed row decides.
         found = await self.lookup(ex, consumer, [digest])
         if found is None:  # swept in between: a brand-new key after all
             return await self.claim(ex, consumer, digests, fingerprint, namespace=namespace, version=version,
                                     creation=creation)
         return verdict(found, fingerprint)
-
-    @staticmethod
-    def _acquired(digest: str, attempts: int, params: Mapping[str, Any], carried: Row | None, *,
-                  took_over: bool) -> Claim:
-        return Claim(ClaimStatus.ACQUIRED, digest, int(attempts), params["lease_token"], params["locked_until"],
-                     carried=carried, took_over=took_over)
 
     async def claim_completed(self, ex: Executor, consumer: str, digests: Sequence[str], fingerprint: str, *,
                               namespace: str, version: int, outcome: str) -> Claim:
@@ -256,30 +182,10 @@ class Inbox:
         back ``ACQUIRED`` with ``attempts`` 0: the caller takes it out of the batch (it has failed
         before) rather than finishing it here."""
         now = self.clock()
-        if self._pg:
-            inserted = {row["key_digest"] for row in await ex.fetch_all(sql.CLAIM_BATCH, {
-                "consumer": consumer, "key_digests": [k.digest for k in keys],
-                "namespaces": [k.namespace for k in keys], "versions": [k.version for k in keys],
-                "fingerprints": [k.fingerprint for k in keys], "outcome": outcome, "now": now,
-                "expires_at": now + self.retention, "tombstones": self.tombstones})}
-        else:  # SQLite: one statement a key, in the same transaction (one writer)
-            inserted = set()
-            for k in keys:
-                if await ex.execute(sql.INSERT_COMPLETED, {
-                        "consumer": consumer, "key_digest": k.digest, "namespace": k.namespace,
-                        "version": k.version, "fingerprint": k.fingerprint, "outcome": outcome, "now": now,
-                        "expires_at": now + self.retention, "tombstones": self.tombstones}) == 1:
-                    inserted.add(k.digest)
+        inserted = await self._dialect.insert_completed(ex, consumer, keys, {
+            "outcome": outcome, "now": now, "expires_at": now + self.retention, "tombstones": self.tombstones})
         others = [k.digest for k in keys if k.digest not in inserted]
-        found: dict[str, Row] = {}
-        if others and self._pg:
-            found = {row["key_digest"]: row for row in await ex.fetch_all(
-                sql.LOOKUP_MANY, {"consumer": consumer, "key_digests": others})}
-        elif others:
-            for digest in others:
-                row = await ex.fetch_one(sql.LOOKUP, {"consumer": consumer, "key_digest": digest})
-                if row is not None:
-                    found[digest] = row
+        found = await self._dialect.rows(ex, consumer, others) if others else {}
         claims = []
         for k in keys:
             row = found.get(k.digest)
@@ -301,12 +207,9 @@ class Inbox:
         now = self.clock()
         params = {"consumer": consumer, "key_digest": digest, "lease_token": token, "outcome": outcome,
                   "now": now, "expires_at": now + self.retention, "keep_from": now + self.retention - self.lease}
-        if ending is None or not self._pg:
+        if ending is None:
             return await ex.execute(sql.COMPLETE, params) == 1
-        row = await ex.fetch_one(sql.COMPLETE_ENDING_SESSION, {**params, **ending.params})
-        assert row is not None
-        ending.ended = bool(row["ended"])
-        return bool(row["completed"] == 1)
+        return await self._dialect.complete_ending(ex, params, ending)
 
     async def renew(self, ex: Executor, consumer: str, digest: str, token: str) -> bool:
         """Extend our lease by one lease length; ``False`` when it is no longer ours."""
@@ -395,15 +298,7 @@ class Inbox:
             params = {"now": now, "limit": batch_size, "tombstones": self.tombstones,
                       "tombstone_expires_at": now + self.tombstone}
             async with self.database.transaction() as ex:
-                if self._pg:
-                    row = await ex.fetch_one(sql.SWEEP_INBOX, params)
-                    deleted = int(row["swept"]) if row is not None else 0
-                else:
-                    keys = [dict(row) for row in await ex.fetch_all(sql.SWEEP_INBOX, params)]
-                    if self.tombstones:
-                        await ex.execute_many(sql.TOMBSTONE_SQLITE, [{**k, **params} for k in keys])
-                    await ex.execute_many(sql.DELETE_SWEPT_SQLITE, keys)
-                    deleted = len(keys)
+                deleted = await self._dialect.sweep(ex, params)
             total += deleted
             batches += 1
             if deleted < batch_size:
@@ -415,17 +310,125 @@ class Inbox:
                 return total
 
 
-def claimable(row: Mapping[str, Any], fingerprint: str, now: datetime) -> bool:
-    """Whether a claim may take ``row``: started, for the same request, its lease run out or released."""
-    return row["state"] == "started" and row["fingerprint"] == fingerprint and \
-        (row["locked_until"] is None or row["locked_until"] <= now)
+def _acquired(digest: str, attempts: int, params: Mapping[str, Any], carried: Row | None, *,
+              took_over: bool) -> Claim:
+    return Claim(ClaimStatus.ACQUIRED, digest, int(attempts), params["lease_token"], params["locked_until"],
+                 carried=carried, took_over=took_over)
 
 
-def verdict(row: Mapping[str, Any], fingerprint: str) -> Claim:
-    """What a committed row says to an attempt that did not get (or did not try for) the key."""
-    if row["fingerprint"] != fingerprint:
-        status = ClaimStatus.CONFLICT
-    else:  # a started row we could not take over holds a live lease
-        status = _STATE_STATUS.get(row["state"], ClaimStatus.IN_PROGRESS)
-    return Claim(status, row["key_digest"], int(row["attempts"]), result=row["result"],
-                 locked_until=row["locked_until"])
+class _Dialect(Protocol):
+    """The inbox operations whose statements differ by database: one strategy each, chosen once."""
+
+    reads_first: bool
+    """Whether a claim reads the row (and its tombstone) before its statement, which does not."""
+
+    async def claim(self, ex: Executor, digest: str, fingerprint: str, params: Mapping[str, Any],
+                    creation: Creation | None, *, expired: bool) -> Claim | None:
+        """The claim's statement: the lease taken, or what holds the key; ``None`` when another claim
+        got there after the statement's snapshot (the caller reads the committed row)."""
+        ...
+
+    async def insert_completed(self, ex: Executor, consumer: str, keys: Sequence[BatchKey],
+                               params: Mapping[str, Any]) -> set[str]:
+        """A batch's new keys written completed; the digests written."""
+        ...
+
+    async def rows(self, ex: Executor, consumer: str, digests: Sequence[str]) -> dict[str, Row]:
+        """The rows of ``digests``, by digest."""
+        ...
+
+    async def complete_ending(self, ex: Executor, params: Mapping[str, Any], ending: Ending) -> bool:
+        """The completion that also ends the coordinator's session (``Ending.ended``)."""
+        ...
+
+    async def sweep(self, ex: Executor, params: Mapping[str, Any]) -> int:
+        """One batch of the sweep, in ``ex``'s transaction; how many rows went."""
+        ...
+
+
+class _Postgres:
+    """One statement an operation: the claim tests the row and its tombstone itself, a batch is
+    written and read in one statement each, a session's creation and ending ride on the claim and the
+    completion (data-modifying CTEs)."""
+
+    reads_first = False
+
+    async def claim(self, ex: Executor, digest: str, fingerprint: str, params: Mapping[str, Any],
+                    creation: Creation | None, *, expired: bool) -> Claim | None:
+        if creation is not None:
+            row = await rerun_on_conflict(ex.fetch_one, sql.CLAIM_CREATING_SESSION, {**params, **creation.params})
+        else:
+            row = await ex.fetch_one(sql.CLAIM, params)
+        assert row is not None
+        if row["claimed"] is not None:
+            return _acquired(digest, row["claimed"], params, row if creation is not None else None,
+                             took_over=row["inbox_locked_until"] is not None)
+        if row["tombstoned"]:
+            return Claim(ClaimStatus.SWEPT, digest, 0)
+        if row["inbox_state"] is not None:
+            seen = {name: row[f"inbox_{name}"] for name in
+                    ("state", "fingerprint", "locked_until", "attempts", "result")}
+            if not claimable(seen, fingerprint, params["now"]):
+                return verdict({**seen, "key_digest": digest}, fingerprint)
+        return None
+
+    async def insert_completed(self, ex: Executor, consumer: str, keys: Sequence[BatchKey],
+                               params: Mapping[str, Any]) -> set[str]:
+        return {row["key_digest"] for row in await ex.fetch_all(sql.CLAIM_BATCH, {
+            **params, "consumer": consumer, "key_digests": [k.digest for k in keys],
+            "namespaces": [k.namespace for k in keys], "versions": [k.version for k in keys],
+            "fingerprints": [k.fingerprint for k in keys]})}
+
+    async def rows(self, ex: Executor, consumer: str, digests: Sequence[str]) -> dict[str, Row]:
+        return {row["key_digest"]: row for row in await ex.fetch_all(
+            sql.LOOKUP_MANY, {"consumer": consumer, "key_digests": list(digests)})}
+
+    async def complete_ending(self, ex: Executor, params: Mapping[str, Any], ending: Ending) -> bool:
+        row = await ex.fetch_one(sql.COMPLETE_ENDING_SESSION, {**params, **ending.params})
+        assert row is not None
+        ending.ended = bool(row["ended"])
+        return bool(row["completed"] == 1)
+
+    async def sweep(self, ex: Executor, params: Mapping[str, Any]) -> int:
+        row = await ex.fetch_one(sql.SWEEP_INBOX, params)
+        return int(row["swept"]) if row is not None else 0
+
+
+class _Sqlite:
+    """One writer, no data-modifying CTEs: the claim reads first and then takes the row; a batch is
+    a statement a key in one transaction; a sweep selects, keeps tombstones and deletes."""
+
+    reads_first = True
+
+    async def claim(self, ex: Executor, digest: str, fingerprint: str, params: Mapping[str, Any],
+                    creation: Creation | None, *, expired: bool) -> Claim | None:
+        row = await ex.fetch_one(sql.CLAIM_SQLITE, params)
+        return None if row is None else _acquired(digest, row["attempts"], params, None, took_over=expired)
+
+    async def insert_completed(self, ex: Executor, consumer: str, keys: Sequence[BatchKey],
+                               params: Mapping[str, Any]) -> set[str]:
+        inserted = set()
+        for k in keys:
+            if await ex.execute(sql.INSERT_COMPLETED, {
+                    **params, "consumer": consumer, "key_digest": k.digest, "namespace": k.namespace,
+                    "version": k.version, "fingerprint": k.fingerprint}) == 1:
+                inserted.add(k.digest)
+        return inserted
+
+    async def rows(self, ex: Executor, consumer: str, digests: Sequence[str]) -> dict[str, Row]:
+        found = {}
+        for digest in digests:
+            row = await ex.fetch_one(sql.LOOKUP, {"consumer": consumer, "key_digest": digest})
+            if row is not None:
+                found[digest] = row
+        return found
+
+    async def complete_ending(self, ex: Executor, params: Mapping[str, Any], ending: Ending) -> bool:
+        return await ex.execute(sql.COMPLETE, params) == 1  # the session is ended after the commit
+
+    async def sweep(self, ex: Executor, params: Mapping[str, Any]) -> int:
+        keys = [dict(row) for row in await ex.fetch_all(sql.SWEEP_INBOX, params)]
+        if params["tombstones"]:
+            await ex.execute_many(sql.TOMBSTONE_SQLITE, [{**k, **params} for k in keys])
+        await ex.execute_many(sql.DELETE_SWEPT_SQLITE, keys)
+        return len(keys)

@@ -30,7 +30,6 @@ from consumer_kit.store import sql
 from consumer_kit.store.connections import Database
 from consumer_kit.store.executor import Executor, Row, SqlAlchemyExecutor
 from consumer_kit.store.inbox import Clock, utcnow
-from consumer_kit.tracing import current_headers
 
 NOTIFY_CHANNEL = "consumer_kit_outbox"
 """PostgreSQL channel notified when outbox rows are written; relays LISTEN on it."""
@@ -131,15 +130,19 @@ class OutboxBatch:
 class Outbox:
     """Write, claim, mark and sweep outbox rows; one method per database operation."""
 
-    def __init__(self, database: Database, *, clock: Clock = utcnow) -> None:
+    def __init__(self, database: Database, *, clock: Clock = utcnow,
+                 trace_headers: Callable[[], Mapping[str, str]] | None = None) -> None:
         self.database = database
         self.clock = clock
+        self.trace_headers = trace_headers
+        """The current span's context as headers, which :meth:`enqueue` stores with each row (the app
+        passes :func:`consumer_kit.tracing.current_headers`; the store knows no tracing)."""
 
     async def enqueue(self, session: AsyncSession | AsyncConnection, destination: str, body: bytes | str, *,
                       headers: Mapping[str, str] | None = None, message_id: str | None = None,
                       delay: float = 0.0) -> str:
         """Insert a message inside the caller's SQLAlchemy transaction (outside a handler); returns its id.
-        With a span current (OpenTelemetry), the row carries its context (see :mod:`consumer_kit.tracing`).
+        With a span current (OpenTelemetry), the row carries its context (``trace_headers``).
 
         Pass ``message_id`` when the caller has a stable identity for the message (so a repeated
         transaction cannot publish twice under different ids); by default it is random.
@@ -148,7 +151,8 @@ class Outbox:
         conn = await session.connection() if isinstance(session, AsyncSession) else session
         if not conn.in_transaction():
             raise RuntimeError("Outbox.enqueue runs inside the caller's transaction: begin one first")
-        headers = {**current_headers(), **(headers or {})}  # the current span's context, if any
+        if self.trace_headers is not None:  # the current span's context, if any
+            headers = {**self.trace_headers(), **(headers or {})}
         await write(SqlAlchemyExecutor(conn), [_row(message_id, destination, body, headers, self.clock(), delay)])
         return message_id
 

@@ -33,14 +33,16 @@ requests carry it too.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
+
+from consumer_kit.tracing.shape import INTERNAL, SpanShape
 
 if TYPE_CHECKING:
     import httpx
 
     from consumer_kit.tracing.spans import DeliveryTracer
+
+__all__ = ["INTERNAL", "TRACE_HEADERS", "SpanShape", "current_headers", "inject_request", "start"]
 
 TRACER_NAME = "consumer_kit"
 TRACE_HEADERS = ("traceparent", "tracestate", "baggage", "x-amzn-trace-id")
@@ -48,23 +50,6 @@ TRACE_HEADERS = ("traceparent", "tracestate", "baggage", "x-amzn-trace-id")
 deliveries keep only some of the request's headers (a CloudEvent's) hands these on."""
 
 
-@dataclass(frozen=True, slots=True)
-class SpanShape:
-    """How a source's deliveries look as spans; a source declares it as its ``span_shape`` attribute
-    (optional: a source without one is traced ``internal``, with no messaging attributes).
-
-    ``kind`` is the span kind (``consumer`` for queues, ``server`` for HTTP sources, ``internal``),
-    ``system`` the ``messaging.system`` (``rabbitmq``, ``aws_sqs``), ``destination`` the
-    ``messaging.destination.name`` (the queue), and ``attributes`` any others (``http.route``).
-    """
-
-    kind: Literal["consumer", "server", "internal"] = "internal"
-    system: str | None = None
-    destination: str | None = None
-    attributes: Mapping[str, str] = field(default_factory=dict)
-
-
-INTERNAL = SpanShape()
 
 
 def start(provider: Any = None) -> DeliveryTracer | None:

@@ -17,11 +17,13 @@ from opentelemetry.trace import Link, NonRecordingSpan, Span, SpanContext, SpanK
 
 from consumer_kit.delivery import Delivery, Outcome, Result, Settlement
 from consumer_kit.keys import OperationKey
-from consumer_kit.tracing import INTERNAL, SpanShape
+from consumer_kit.redaction import SHORTEST_SECRET_ID, describe, format_exception, redact
+from consumer_kit.tracing.shape import INTERNAL, SpanShape
 
 if TYPE_CHECKING:
-    from consumer_kit.pipeline.work import HandlerSpec, Work
-    from consumer_kit.store.outbox import OutboxMessage
+    from consumer_kit.outbox import OutboxMessage
+    from consumer_kit.pipeline.spec import HandlerSpec
+    from consumer_kit.pipeline.work import Work
 
 _KINDS = {"consumer": SpanKind.CONSUMER, "server": SpanKind.SERVER, "internal": SpanKind.INTERNAL}
 _FAILED = frozenset({Outcome.RETRY, Outcome.LEASE_LOST})
@@ -96,8 +98,6 @@ def _xray(values: list[str] | None) -> SpanContext | None:
 def record(span: Span, exc: BaseException, key: OperationKey | None) -> None:
     """Mark ``span`` failed by ``exc``, as an ``exception`` event whose message and stack trace have
     the raw key redacted (OpenTelemetry's own ``record_exception`` would copy them as they are)."""
-    from consumer_kit.pipeline.work import describe, format_exception, redact
-
     if isinstance(exc, asyncio.CancelledError):
         span.set_status(Status(StatusCode.ERROR, "cancelled"))
         return
@@ -179,7 +179,8 @@ class DeliveryTrace:
         self.span.set_attributes({"consumer_kit.key.namespace": key.namespace,
                                   "consumer_kit.key.version": key.version, "consumer_kit.key.digest": digest})
         # (A short id is no secret, as in redact(); a longer one inside the message id would be the key.)
-        if delivery.id is not None and delivery.id != key.id and not (len(key.id) >= 6 and key.id in delivery.id):
+        if delivery.id is not None and delivery.id != key.id and not (
+                len(key.id) >= SHORTEST_SECRET_ID and key.id in delivery.id):
             self.span.set_attribute("messaging.message.id", delivery.id)
 
     def child(self, name: str, *, attributes: Mapping[str, Any] | None = None,

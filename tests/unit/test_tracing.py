@@ -174,7 +174,7 @@ async def test_with_no_tracer_provider_nothing_is_traced(settings: Settings) -> 
 
     SPANS.clear()
     async with app.running():
-        assert app.pipeline.tracer is None and app.pipeline.stores.tracer is None
+        assert app.pipeline.tracer is None and app.pipeline.batched.tracer is None
         await source.deliver(id="order-000123", body=b"{}", headers={"traceparent": TRACEPARENT})
         row = await app.outbox.get(ids[0])
     assert row is not None and row["headers"] == {}
