@@ -30,6 +30,11 @@ instead.
 ``SqsPublisher`` implements :class:`consumer_kit.outbox.Publisher`: ``SendMessageBatch``, the outbox row
 id in the ``x-consumer-kit-message-id`` attribute, and on FIFO queues also as the
 ``MessageDeduplicationId``.
+
+The parts, as every source has them: the source (:mod:`.source`), the message reader (:mod:`.message`),
+the settlement policy (:mod:`.settlement`), the outbox publisher (:mod:`.publisher`); besides them the
+boto3 client on its threads (:mod:`.client`), what the source holds (:mod:`.held`) and the queue's
+checks at start (:mod:`.queue`).
 """
 
 try:
@@ -40,8 +45,8 @@ except ModuleNotFoundError as exc:  # pragma: no cover - exercised only without 
     raise missing_extra("sqs", "consumer_kit.sources.sqs", exc) from exc
 
 from consumer_kit.sources.envelopes import EnvelopeMismatch
-from consumer_kit.sources.sqs.held import KEY_DIGEST_ATTRIBUTE, REASON_ATTRIBUTE, SOURCE_QUEUE_ATTRIBUTE
 from consumer_kit.sources.sqs.publisher import GROUP_HEADER, MESSAGE_ID_ATTRIBUTE, SqsPublisher
+from consumer_kit.sources.sqs.settlement import KEY_DIGEST_ATTRIBUTE, REASON_ATTRIBUTE, SOURCE_QUEUE_ATTRIBUTE
 from consumer_kit.sources.sqs.source import DEFAULT_RETRY_DELAYS, SQSSource
 
 __all__ = [

@@ -1,5 +1,5 @@
 """What an SQS source holds: the messages it received and has not settled, the in-flight slots that
-bound them, and the SQS entries that settle them."""
+bound them, and the SQS entries that settle them (what each settlement is: :mod:`.settlement`)."""
 
 from __future__ import annotations
 
@@ -11,12 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from consumer_kit.delivery import Result
-from consumer_kit.sources.sqs.client import MAX_VISIBILITY_SECONDS, log
+from consumer_kit.sources.sqs.client import MAX_VISIBILITY_SECONDS
 
-REASON_ATTRIBUTE = "x-consumer-kit-reason"
-KEY_DIGEST_ATTRIBUTE = "x-consumer-kit-key-digest"
-SOURCE_QUEUE_ATTRIBUTE = "x-consumer-kit-queue"
 MAX_ATTRIBUTES = 10  # SQS: message attributes per message
 XRAY_HEADER = "x-amzn-trace-id"
 
@@ -110,26 +106,3 @@ class Slots:
         """Wake every waiting poller with nothing: the source stops."""
         self.closed = True
         self._changed.set()
-
-
-def dead_letter_copy(message: HeldMessage, result: Result, *, queue_url: str, dead_letter_queue_url: str,
-                     fifo: bool, source: str) -> dict[str, Any]:
-    """SendMessage parameters for the copy of a parked message: its body as received, the reason, the
-    key digest (never the key) and the queue as attributes, then as many of its own as SQS allows."""
-    ours = {REASON_ATTRIBUTE: result.reason or "dead_letter", SOURCE_QUEUE_ATTRIBUTE: queue_url}
-    if result.key_digest:
-        ours[KEY_DIGEST_ATTRIBUTE] = result.key_digest
-    attributes = {name: {"DataType": "String", "StringValue": value} for name, value in ours.items()}
-    originals = message.raw.get("MessageAttributes") or {}
-    room = MAX_ATTRIBUTES - len(attributes)
-    for name, value in list(originals.items())[:room]:
-        attributes[name] = {k: v for k, v in value.items() if k in ("DataType", "StringValue", "BinaryValue")}
-    if len(originals) > room:
-        log.warning("%s: the dead-letter copy keeps %d of the message's %d attributes (SQS allows %d); the "
-                    "parked record in the database has them all", source, room, len(originals), MAX_ATTRIBUTES)
-    params: dict[str, Any] = dict(QueueUrl=dead_letter_queue_url, MessageBody=message.raw["Body"],
-                                  MessageAttributes=attributes)
-    if fifo:
-        params["MessageGroupId"] = message.group or "consumer-kit"
-        params["MessageDeduplicationId"] = message.id  # a repeated copy is dropped by SQS
-    return params

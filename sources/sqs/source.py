@@ -1,27 +1,24 @@
-"""SQSSource: receives an SQS queue on its own threads and settles each message after the commit."""
+"""SQSSource: receives an SQS queue on its own threads and settles each message after the commit (the
+message reader is :mod:`.message`, the settlement policy :mod:`.settlement`)."""
 
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import collections
 import contextlib
 import functools
 import random
-import secrets
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from datetime import UTC, datetime
 from typing import Any
 
 from prometheus_client import Counter
 
-from consumer_kit.delivery import Delivery, Dispatch, KeyMapper, RefusedReplay, Replayed, Result, Settlement
+from consumer_kit.delivery import Delivery, Dispatch, KeyMapper, Replayed, Result
 from consumer_kit.errors import ConfigurationError
 from consumer_kit.keys import KeyDigester
-from consumer_kit.replay import REPLAY_HEADER, Send, unseal
+from consumer_kit.replay import Send
 from consumer_kit.settings import Settings
 from consumer_kit.sources.envelopes import (
     ENVELOPES,
@@ -29,7 +26,6 @@ from consumer_kit.sources.envelopes import (
     KeyFunction,
     is_s3_test_event,
     require_cloudevents,
-    unwrap,
 )
 from consumer_kit.sources.sqs.client import (
     BATCH_MAX,
@@ -40,18 +36,16 @@ from consumer_kit.sources.sqs.client import (
     explain,
     log,
 )
-from consumer_kit.sources.sqs.held import MAX_ATTRIBUTES, HeldMessage, Slots, dead_letter_copy
+from consumer_kit.sources.sqs.held import HeldMessage, Slots
+from consumer_kit.sources.sqs.message import replay_message, to_deliveries
 from consumer_kit.sources.sqs.queue import inspect_queue
+from consumer_kit.sources.sqs.settlement import Act, SettlementPolicy, dead_letter_copy
 from consumer_kit.tracing import SpanShape
 
 DEFAULT_RETRY_DELAYS = (1.0, 5.0, 30.0, 120.0)
 SETTLE_THREADS = 4  # pool threads besides the pollers': deletes, visibility changes, dead-letter copies
 SETTLE_TIMEOUT_SECONDS = 10.0  # how long close() waits for settlements already under way
 _SYSTEM_ATTRIBUTES = ["ApproximateReceiveCount", "SentTimestamp", "MessageGroupId", "AWSTraceHeader"]
-REPLAY_BODY_ATTRIBUTE = "x-consumer-kit-replay-body"
-"""``base64`` on a requeued parked delivery whose body is not UTF-8 text (an SQS body must be text)."""
-_NOT_ATTRIBUTES = ("sqs-message-id", "sqs-message-group-id", "x-consumer-kit-reason", "x-consumer-kit-key-digest",
-                   "x-consumer-kit-queue", REPLAY_HEADER, REPLAY_BODY_ATTRIBUTE)
 
 S3_TEST_EVENTS = Counter("consumer_kit_sqs_s3_test_events_total",
                          "s3:TestEvent messages acknowledged without a delivery.", ["source"])
@@ -124,6 +118,7 @@ class SQSSource(EnvelopedSource):
         self.dead_letter_queue_url = dead_letter_queue_url
         self.pollers = pollers
         self.retry_delays = tuple(sorted(retry_delays))
+        self._policy = SettlementPolicy(self.retry_delays, dead_letter_queue_url)
         self.endpoint_url = endpoint_url
         self.region = region
         self.settle_linger = settle_linger
@@ -316,7 +311,7 @@ class SQSSource(EnvelopedSource):
                 decided = True
                 return
             assert self._dispatch is not None
-            deliveries = self._deliveries(message)
+            deliveries = to_deliveries(message, self.envelope, self._replays)
             results = [await self._one_at_a_time(delivery) for delivery in deliveries]
             decided = True
             await self._settle(message, deliveries, results)
@@ -351,29 +346,6 @@ class SQSSource(EnvelopedSource):
             del self._running_keys[key]
             done.set_result(None)
 
-    def _deliveries(self, message: HeldMessage) -> list[Delivery]:
-        system = message.raw.get("Attributes", {})
-        attempt = int(system.get("ApproximateReceiveCount", 1))
-        sent = system.get("SentTimestamp")  # milliseconds since the epoch, by SQS's clock
-        sent_at = datetime.fromtimestamp(int(sent) / 1000, UTC) if sent and str(sent).isdigit() else None
-        headers, body = message.headers(), message.raw["Body"].encode("utf-8")
-        if self._replays is not None and REPLAY_HEADER in headers:
-            return [self._replayed(headers, body, attempt, sent_at)]
-        return unwrap(self.envelope, message_id=message.id, body=body, headers=headers, attempt=attempt,
-                      sent_at=sent_at)
-
-    def _replayed(self, headers: dict[str, str], body: bytes, attempt: int,
-                  sent_at: datetime | None) -> Replayed | RefusedReplay:
-        """The delivery a requeued parked message carries (see :mod:`consumer_kit.replay`)."""
-        assert self._replays is not None
-        if headers.get(REPLAY_BODY_ATTRIBUTE) == "base64":
-            try:
-                body = base64.b64decode(body, validate=True)
-            except (binascii.Error, ValueError):
-                return RefusedReplay(id=None, body=body, attempt=attempt, sent_at=sent_at,
-                                     why="the replayed body is not base64")
-        return unseal(headers[REPLAY_HEADER], body, self._replays, attempt=attempt, sent_at=sent_at)
-
     @contextlib.asynccontextmanager
     async def requeuer(self, settings: Settings) -> AsyncIterator[Send]:
         """A client for putting parked deliveries back on the queue (``consumer-kit parked replay``).
@@ -390,21 +362,7 @@ class SQSSource(EnvelopedSource):
                 dead_letter_queue_url=self.dead_letter_queue_url, max_deliveries=settings.max_deliveries)
 
             async def send(delivery: Replayed, sealed: str) -> None:
-                attributes = {REPLAY_HEADER: sealed}
-                try:
-                    body = delivery.body.decode("utf-8")
-                except UnicodeDecodeError:
-                    body = base64.b64encode(delivery.body).decode("ascii")
-                    attributes[REPLAY_BODY_ATTRIBUTE] = "base64"
-                for name, value in delivery.headers.items():
-                    if len(attributes) < MAX_ATTRIBUTES and name not in _NOT_ATTRIBUTES and value:
-                        attributes[name] = value
-                params: dict[str, Any] = dict(QueueUrl=facts.url, MessageBody=body, MessageAttributes={
-                    name: {"DataType": "String", "StringValue": value} for name, value in attributes.items()})
-                if facts.fifo:
-                    params["MessageGroupId"] = delivery.headers.get("sqs-message-group-id") or "consumer-kit-replay"
-                    params["MessageDeduplicationId"] = secrets.token_hex(16)  # each replay is a send of its own
-                await sqs.call("send_message", **params)
+                await sqs.call("send_message", **replay_message(delivery, sealed, queue_url=facts.url, fifo=facts.fifo))
 
             yield send
         finally:
@@ -418,28 +376,20 @@ class SQSSource(EnvelopedSource):
             await asyncio.wait([message.beat])
         if not results and is_s3_test_event(message.raw["Body"].encode("utf-8")):
             S3_TEST_EVENTS.labels(self.name).inc()
-        retry = [r for r in results if r.settlement is Settlement.RETRY_LATER]
-        dead = [r for r in results if r.settlement is Settlement.DEAD_LETTER]
-        if retry:
+        action = self._policy.action(deliveries, results)
+        if action.act is Act.RETRY:
             message.went_back = True
-            attempt = max((d.attempt for d in deliveries), default=1)
-            delay = self._retry_delay(attempt, max(r.delay or 0.0 for r in retry))
-            await self._change_visibility(message, delay)
-        elif self.dead_letter_queue_url is None and (dead or any(
-                r.reason == "already_dead_lettered" for r in results)):
+            await self._change_visibility(message, action.delay)
+        elif action.act is Act.REDRIVE:
             # Redrive mode: leave it visible at once, so that SQS reaches maxReceiveCount and moves it.
             self._left_for_redrive[message.id] = None
             if len(self._left_for_redrive) > 10_000:
                 self._left_for_redrive.popitem(last=False)
             await self._change_visibility(message, 0)
         else:
-            if dead:
-                await self._copy_to_dead_letters(message, dead[0])
+            if action.dead_letter is not None:
+                await self._copy_to_dead_letters(message, action.dead_letter)
             await self._delete(message)
-
-    def _retry_delay(self, attempt: int, wanted: float) -> float:
-        step = self.retry_delays[min(attempt, len(self.retry_delays)) - 1]
-        return max(step, wanted)
 
     async def _delete(self, message: HeldMessage) -> None:
         assert self._deletes is not None
