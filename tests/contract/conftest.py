@@ -1,0 +1,31 @@
+"""Runs each case of ``test_contract.py`` against every adapter that claims its capability."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import pytest
+
+from tests.conftest import Spans
+from tests.contract.adapters import ADAPTERS
+from tests.contract.base import Contract, SourceAdapter
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    capability = getattr(metafunc.function, "contract_needs", None)
+    if capability is None or "adapter_class" not in metafunc.fixturenames:
+        return
+    metafunc.parametrize("adapter_class", [pytest.param(adapter, id=adapter.id, marks=adapter.marks)
+                                           for adapter in ADAPTERS if capability in adapter.capabilities])
+
+
+@pytest.fixture
+async def adapter(adapter_class: type[SourceAdapter], request: pytest.FixtureRequest) -> AsyncIterator[SourceAdapter]:
+    async with adapter_class.prepared(request) as prepared:
+        yield prepared
+
+
+@pytest.fixture
+async def contract(adapter: SourceAdapter, sqlite_url: str, spans: Spans) -> AsyncIterator[Contract]:
+    async with Contract.open(adapter, sqlite_url, spans.provider) as opened:
+        yield opened
