@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
+from collections.abc import Callable
+from typing import Any
 
 from consumer_kit.cli.running import settings_from_env
 from consumer_kit.errors import ConfigurationError
@@ -54,3 +57,17 @@ async def refuse_missing(settings: Settings) -> None:
         await check_schema(engine)
     finally:
         await engine.dispose()
+
+
+def add_commands(commands: Any, command: Callable[..., argparse.ArgumentParser]) -> None:
+    """Register ``db upgrade|check|revision`` on ``commands`` (``command`` makes a sub-parser)."""
+    group = command(commands, "db", help="schema management")
+    db_commands = group.add_subparsers(dest="db_command", required=True, metavar="COMMAND")
+    upgrade_command = command(db_commands, "upgrade", help="apply consumer-kit's migrations, then the app's "
+                              "(APP_MIGRATIONS)")
+    upgrade_command.set_defaults(func=lambda _a: asyncio.run(schema("upgrade")))
+    command(db_commands, "check", help="exit 1 when the schema (or the app's) is out of date").set_defaults(
+        func=lambda _a: asyncio.run(schema("check")))
+    revision = command(db_commands, "revision", help="write a new, empty revision file in APP_MIGRATIONS")
+    revision.add_argument("-m", "--message", required=True, help="what the revision does (its file is named after it)")
+    revision.set_defaults(func=revision)

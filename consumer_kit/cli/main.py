@@ -13,7 +13,7 @@ from typing import Any, NoReturn
 
 from consumer_kit import logs
 from consumer_kit.cli import db, parked, schedules, serve
-from consumer_kit.cli.running import load_app, run_async
+from consumer_kit.cli.running import load_app
 from consumer_kit.errors import ConfigurationError
 
 Command = Callable[[argparse.Namespace], int]
@@ -69,47 +69,13 @@ def build_parser() -> argparse.ArgumentParser:
         sub: argparse.ArgumentParser = group.add_parser(name, parents=[common], formatter_class=_Help, **kwargs)
         return sub
 
-    run = command(
-        commands, "run", help="run an app: module:app",
-        description="Run an app until SIGTERM/SIGINT, then drain. With --port it also serves /healthz, "
-        "/readyz and /metrics (and its HTTP sources' paths); without --port it serves nothing over HTTP.")
-    run.add_argument("app", help="module:app (the current directory is importable)")
-    run.add_argument("--host", default="127.0.0.1", help="the address --port listens on (0.0.0.0 in a container)")
-    run.add_argument("--port", type=int, default=None,
-                     help="serve /healthz, /readyz, /metrics and the HTTP sources here (unset: no HTTP server; an "
-                     "app with HTTP sources needs it)")
-    run.set_defaults(func=serve.run)
-
-    schema = command(commands, "db", help="schema management")
-    db_commands = schema.add_subparsers(dest="db_command", required=True, metavar="COMMAND")
-    upgrade_command = command(db_commands, "upgrade", help="apply consumer-kit's migrations, then the app's "
-                              "(APP_MIGRATIONS)")
-    upgrade_command.set_defaults(func=lambda _a: asyncio.run(db.schema("upgrade")))
-    command(db_commands, "check", help="exit 1 when the schema (or the app's) is out of date").set_defaults(
-        func=lambda _a: asyncio.run(db.schema("check")))
-    revision = command(db_commands, "revision", help="write a new, empty revision file in APP_MIGRATIONS")
-    revision.add_argument("-m", "--message", required=True, help="what the revision does (its file is named after it)")
-    revision.set_defaults(func=db.revision)
-
+    serve.add_commands(commands, command)
+    db.add_commands(commands, command)
     parked.add_commands(commands, common, _Help, asyncio.run, load_app)
 
     demo = command(commands, "demo", help="the retry-safety recipe on embedded defaults")
     demo.add_argument("--verbose", action="store_true", help="also show the log of every step")
     demo.set_defaults(func=_demo)
-
-    coordinator = command(commands, "coordinator", help="the coordinator server")
-    coordinator_commands = coordinator.add_subparsers(dest="coordinator_command", required=True, metavar="COMMAND")
-    serving = command(coordinator_commands, "serve", help="serve the coordinator under uvicorn")
-    serving.add_argument("--host", default="127.0.0.1", help="the address to listen on")
-    serving.add_argument("--port", type=int, default=8080, help="the port to listen on")
-    serving.set_defaults(func=serve.coordinator_serve)
-
-    outbox = command(commands, "outbox", help="the transactional outbox")
-    outbox_commands = outbox.add_subparsers(dest="outbox_command", required=True, metavar="COMMAND")
-    relay = command(outbox_commands, "relay", help="publish committed outbox rows until SIGTERM")
-    relay.add_argument("--app", default=None, help="module:app whose settings and publisher to use "
-                       "(default: RABBITMQ_URL's broker)")
-    relay.set_defaults(func=lambda a: run_async(serve.outbox_relay(a.app)))
 
     schedules.add_commands(commands, command)
     return parser

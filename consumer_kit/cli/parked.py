@@ -79,21 +79,6 @@ def add_commands(commands: Any, common: argparse.ArgumentParser, formatter: type
         description="Deliveries parked with their reason (dead letters): list them, count them by reason and "
         "source, show one, send them back through their handler under the same key, or discard them.")
     sub = parked.add_subparsers(dest="parked_command", required=True, metavar="COMMAND")
-
-    def filters(parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("--namespace", help="only deliveries of this key namespace")
-        parser.add_argument("--reason", help="only deliveries parked for this reason (retries_exhausted, conflict, "
-                            "...)")
-        parser.add_argument("--source", help="only deliveries of this source (its name: rabbitmq:orders, ...)")
-        parser.add_argument("--consumer", help="only deliveries of this handler (its inbox scope)")
-        parser.add_argument("--since", type=since, metavar="WHEN",
-                            help="only deliveries parked since WHEN: a duration back (30m, 2h, 7d) or an ISO 8601 "
-                                 "instant with a zone")
-
-    def output(parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("--format", choices=("json", "table"), default="json",
-                            help="JSON lines (for scripts) or an aligned table (for people)")
-
     listing = sub.add_parser("list", parents=[common], formatter_class=formatter,
                              help="the newest parked deliveries")
     filters(listing)
@@ -116,30 +101,13 @@ def add_commands(commands: Any, common: argparse.ArgumentParser, formatter: type
     output(show)
     show.set_defaults(func=lambda a: run(_show(a)))
 
-    replay = sub.add_parser(
+    _add_replay(sub.add_parser(
         "replay", parents=[common], formatter_class=formatter,
         help="send parked deliveries back through their handler, under the same key",
         description="Send parked deliveries back through their handler under the SAME operation key: queue "
         "deliveries (RabbitMQ, SQS) go back on their queue for the workers; others (HTTP, schedules) run in "
         "this process. A key done since is acknowledged as a duplicate without running. Each replay is "
-        "recorded with who did it and when. Exit code 1 when any was skipped or failed.")
-    replay.add_argument("app", help="module:app, the app whose handlers and sources the deliveries belong to")
-    replay.add_argument("--id", dest="ids", action="append", default=[], metavar="ID",
-                        help="replay this parked delivery (repeat for more); without --id, the oldest matching "
-                             "the filters")
-    filters(replay)
-    replay.add_argument("--max", type=positive(int), default=100, help="replay at most this many")
-    replay.add_argument("--rate", type=positive(float), default=None, metavar="PER_SECOND",
-                        help="send at most this many a second (default: as fast as they go)")
-    replay.add_argument("--dry-run", action="store_true", help="only say what would be sent, change nothing")
-    replay.add_argument("--accept-new-body", action="store_true",
-                        help="replay deliveries parked as a conflict too: run their body under the key, which "
-                             "was first used with another body")
-    replay.add_argument("--include-replayed", action="store_true",
-                        help="with filters, also those replayed before (--id always includes them)")
-    replay.add_argument("--actor", default=_whoami(), help="who is replaying, for the record")
-    output(replay)
-    replay.set_defaults(func=lambda a: run(_replay(a, load_app)))
+        "recorded with who did it and when. Exit code 1 when any was skipped or failed."), run, load_app)
 
     discard = sub.add_parser("discard", parents=[common], formatter_class=formatter,
                              help="delete parked deliveries for good (needs --yes)")
@@ -150,6 +118,44 @@ def add_commands(commands: Any, common: argparse.ArgumentParser, formatter: type
     discard.add_argument("--yes", action="store_true", help="really delete them (without it, nothing is deleted)")
     discard.add_argument("--actor", default=_whoami(), help="who is discarding, for the record")
     discard.set_defaults(func=lambda a: run(_discard(a)))
+
+
+def filters(parser: argparse.ArgumentParser) -> None:
+    """The options that choose parked deliveries by what they are."""
+    parser.add_argument("--namespace", help="only deliveries of this key namespace")
+    parser.add_argument("--reason", help="only deliveries parked for this reason (retries_exhausted, conflict, "
+                        "...)")
+    parser.add_argument("--source", help="only deliveries of this source (its name: rabbitmq:orders, ...)")
+    parser.add_argument("--consumer", help="only deliveries of this handler (its inbox scope)")
+    parser.add_argument("--since", type=since, metavar="WHEN",
+                        help="only deliveries parked since WHEN: a duration back (30m, 2h, 7d) or an ISO 8601 "
+                             "instant with a zone")
+
+
+def output(parser: argparse.ArgumentParser) -> None:
+    """The ``--format`` option."""
+    parser.add_argument("--format", choices=("json", "table"), default="json",
+                        help="JSON lines (for scripts) or an aligned table (for people)")
+
+
+def _add_replay(parser: argparse.ArgumentParser, run: Callable[[Any], int], load_app: Loader) -> None:
+    parser.add_argument("app", help="module:app, the app whose handlers and sources the deliveries belong to")
+    parser.add_argument("--id", dest="ids", action="append", default=[], metavar="ID",
+                        help="replay this parked delivery (repeat for more); without --id, the oldest matching "
+                             "the filters")
+    filters(parser)
+    parser.add_argument("--max", type=positive(int), default=100, help="replay at most this many")
+    parser.add_argument("--rate", type=positive(float), default=None, metavar="PER_SECOND",
+                        help="send at most this many a second (default: as fast as they go)")
+    parser.add_argument("--dry-run", action="store_true", help="only say what would be sent, change nothing")
+    parser.add_argument("--accept-new-body", action="store_true",
+                        help="replay deliveries parked as a conflict too: run their body under the key, which "
+                             "was first used with another body")
+    parser.add_argument("--include-replayed", action="store_true",
+                        help="with filters, also those replayed before (--id always includes them)")
+    parser.add_argument("--actor", default=_whoami(), help="who is replaying, for the record")
+    output(parser)
+    parser.set_defaults(func=lambda a: run(_replay(a, load_app)))
 
 
 def _whoami() -> str:

@@ -6,6 +6,8 @@ import argparse
 import asyncio
 import logging
 import signal
+from collections.abc import Callable
+from typing import Any
 
 from consumer_kit.cli.running import load_app, run_async, settings_from_env, with_stop
 from consumer_kit.errors import ConfigurationError
@@ -98,3 +100,32 @@ async def outbox_relay(app_target: str | None) -> int:
         await database.close()
         await engine.dispose()
     return 0
+
+
+def add_commands(commands: Any, command: Callable[..., argparse.ArgumentParser]) -> None:
+    """Register ``run``, ``coordinator serve`` and ``outbox relay`` on ``commands`` (``command`` makes
+    a sub-parser)."""
+    running = command(
+        commands, "run", help="run an app: module:app",
+        description="Run an app until SIGTERM/SIGINT, then drain. With --port it also serves /healthz, "
+        "/readyz and /metrics (and its HTTP sources' paths); without --port it serves nothing over HTTP.")
+    running.add_argument("app", help="module:app (the current directory is importable)")
+    running.add_argument("--host", default="127.0.0.1", help="the address --port listens on (0.0.0.0 in a container)")
+    running.add_argument("--port", type=int, default=None,
+                     help="serve /healthz, /readyz, /metrics and the HTTP sources here (unset: no HTTP server; an "
+                     "app with HTTP sources needs it)")
+    running.set_defaults(func=run)
+
+    coordinator = command(commands, "coordinator", help="the coordinator server")
+    coordinator_commands = coordinator.add_subparsers(dest="coordinator_command", required=True, metavar="COMMAND")
+    serving = command(coordinator_commands, "serve", help="serve the coordinator under uvicorn")
+    serving.add_argument("--host", default="127.0.0.1", help="the address to listen on")
+    serving.add_argument("--port", type=int, default=8080, help="the port to listen on")
+    serving.set_defaults(func=coordinator_serve)
+
+    outbox = command(commands, "outbox", help="the transactional outbox")
+    outbox_commands = outbox.add_subparsers(dest="outbox_command", required=True, metavar="COMMAND")
+    relay = command(outbox_commands, "relay", help="publish committed outbox rows until SIGTERM")
+    relay.add_argument("--app", default=None, help="module:app whose settings and publisher to use "
+                       "(default: RABBITMQ_URL's broker)")
+    relay.set_defaults(func=lambda a: run_async(outbox_relay(a.app)))

@@ -99,7 +99,7 @@ class ReceiptStore:
     def __init__(self, database: Database, *, clock: Clock) -> None:
         self.database = database
         self.clock = clock
-        self._pg = database.dialect == "postgresql"
+        self._one_statement = database.can.writes_in_claim  # a creation in one statement (data-modifying CTEs)
 
     def prepare(self, scope: Scope, digest: str, fingerprint: str, *, kind: str, ttl: timedelta,
                 retention: timedelta, generated: bool, cap: int) -> Creation:
@@ -129,7 +129,7 @@ class ReceiptStore:
         fast: Found | str | None = None
         if carried is not None:
             fast = await self.settle(ex, *carried)
-        elif self._pg and retention is not None and len(digests) == 1:
+        elif self._one_statement and retention is not None and len(digests) == 1:
             creation = self.prepare(scope, digests[0], fingerprint, kind=kind, ttl=ttl, retention=retention,
                                     generated=generated, cap=cap)
             row = await rerun_on_conflict(ex.fetch_one, sql.CREATE_RESOURCE, creation.params)
@@ -141,6 +141,15 @@ class ReceiptStore:
             found = await self._find(ex, scope, digests)
             if found is not None and found["receipt_expires_at"] > self.clock():
                 return _verdict(found, fingerprint, self.clock())
+        return await self._create_exactly(ex, scope, digests, fingerprint, kind=kind, ttl=ttl, retention=retention,
+                                          generated=generated, cap=cap)
+
+    async def _create_exactly(self, ex: Executor, scope: Scope, digests: Sequence[str], fingerprint: str, *,
+                              kind: str, ttl: timedelta, retention: timedelta | None, generated: bool,
+                              cap: int) -> Found:
+        """The creation in a transaction of its own that counts the scope's receipts exactly (its
+        stripes locked in stripe order): SQLite, a rotation of the HMAC key, or what the one-statement
+        creation could not judge."""
         # The exact path locks a scope's stripes in stripe order, yet PostgreSQL still reported deadlocks
         # among such lockers under heavy concurrency (waiters queue on a row's tuple lock). A
         # transaction that lost one was rolled back whole and is run again; so is the insert after a
