@@ -16,7 +16,7 @@ from consumer_kit.keys import OperationKey
 
 if TYPE_CHECKING:
     from consumer_kit.settings import Settings
-    from consumer_kit.store.connections import Database
+    from consumer_kit.source_store import SourceStore
 
 
 class Outcome(enum.StrEnum):
@@ -187,12 +187,13 @@ class StoreSource(Protocol):
     """A source that keeps state of its own in the store (a schedule: how far its ticks are decided).
 
     When the app starts, before any source starts, it calls :meth:`use_store` on each such source of
-    its handlers: the store's database, the consumer (the inbox scope of the source's handler) and the
-    app's settings. A source never opens a database of its own.
+    its handlers with ready objects (:class:`~consumer_kit.source_store.SourceStore`: the consumer, the
+    inbox scope of the source's handler; the schedules' store; the app's inbox; the app's settings). A
+    source never builds a store object or opens a database of its own.
     """
 
-    def use_store(self, database: Database, *, consumer: str, settings: Settings) -> None:
-        """Take the store's database, scoped to ``consumer``."""
+    def use_store(self, store: SourceStore) -> None:
+        """Take the store objects the app hands over."""
         ...
 
 

@@ -12,8 +12,7 @@ import time
 from datetime import UTC, datetime, timedelta
 from typing import Protocol, runtime_checkable
 
-from consumer_kit.store.connections import Database
-from consumer_kit.store.schedules import ScheduleStore
+from consumer_kit.source_store import ScheduleStore
 
 
 @runtime_checkable
@@ -30,16 +29,16 @@ class ScheduleClock(Protocol):
 
 
 class DatabaseClock:
-    """The database's clock (``clock_timestamp()`` on PostgreSQL; the host's on SQLite, which is local)."""
+    """The database's clock (``clock_timestamp()`` on PostgreSQL; the host's on SQLite, which is local),
+    read through the schedules' store the app hands over (:class:`~consumer_kit.source_store.SourceStore`)."""
 
-    def __init__(self, database: Database) -> None:
-        self._store = ScheduleStore(database)
-        self._database = database
+    def __init__(self, schedules: ScheduleStore) -> None:
+        self._store = schedules
         self._read: tuple[datetime, float] | None = None  # the last reading, and the monotonic time of it
 
     async def now(self) -> datetime:
         """Ask the database."""
-        async with self._database.connect() as ex:
+        async with self._store.database.connect() as ex:
             now = await self._store.now(ex)
         self._read = (now, time.monotonic())
         return now

@@ -22,13 +22,12 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING
 
-from consumer_kit.delivery import Dispatch, Outcome, Result, Settlement
+from consumer_kit.delivery import Dispatch, Result
 from consumer_kit.settings import Settings
-from consumer_kit.sources.schedules import catchup, timing
+from consumer_kit.source_store import PendingTick
+from consumer_kit.sources.schedules import catchup, settlement, timing
 from consumer_kit.sources.schedules.catchup import Decision
 from consumer_kit.sources.schedules.metrics import SKIPPED
-from consumer_kit.store import Inbox
-from consumer_kit.store.schedules import PendingTick
 
 if TYPE_CHECKING:
     from consumer_kit.sources.schedules.source import Schedule
@@ -185,10 +184,8 @@ class Runner:
     async def _reconcile(self) -> None:
         """Settle pending ticks the inbox has finished (a process died between the two), so that
         ``overlap="forbid"`` counts only ticks that are really unfinished."""
-        store, sid, settings = self.store, self.sid, self.settings
-        inbox = Inbox(store.database, lease_seconds=settings.inbox_lease_seconds,
-                      retention_seconds=settings.inbox_retention_seconds)
-        digester = settings.digester()
+        store, sid, inbox = self.store, self.sid, self.schedule.inbox
+        digester = self.settings.digester()
         async with store.database.connect() as ex:
             for pending in await store.pending(ex, sid, limit=PENDING_LOOK):
                 if pending.tick in self._runs:
@@ -234,22 +231,13 @@ class Runner:
             self._wakeup.set()
 
     async def settle(self, tick: datetime, result: Result) -> None:
-        """Record what the pipeline decided: done, parked, or to be tried again after ``result.delay``."""
-        store, sid = self.store, self.sid
+        """Record what the pipeline decided: done, parked, or to be tried again after ``result.delay``
+        (see :mod:`.settlement`); this replica waits the delay in any case."""
         now = await self.schedule.clock.now()
-        async with store.database.connect() as ex:
-            if result.settlement is Settlement.ACK:
-                parked = result.reason == "already_dead_lettered"
-                await store.settle(ex, sid, tick, state="parked" if parked else "done",
-                                   reason=result.reason if parked else None, now=now)
-            elif result.settlement is Settlement.DEAD_LETTER:
-                await store.settle(ex, sid, tick, state="parked", reason=result.reason, now=now)
-            else:
-                delay = self.settings.retry_later_seconds if result.delay is None else result.delay
-                until = now + timedelta(seconds=delay)
-                self._deferred[tick] = until
-                if result.outcome is not Outcome.IN_PROGRESS:  # it failed here: every replica waits the delay
-                    await store.defer(ex, sid, tick, not_before=until, now=now)
+        retry = settlement.retry_at(result, now, self.settings.retry_later_seconds)
+        if retry is not None:
+            self._deferred[tick] = retry
+        await settlement.record(self.store, self.sid, tick, result, now=now, retry=retry)
 
     async def _sweep(self, now: datetime) -> None:
         if self._swept_at is not None and time.monotonic() - self._swept_at < SWEEP_EVERY_SECONDS:

@@ -4,7 +4,6 @@ by the tick's intended instant (see :mod:`.runner` for the loop each replica run
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -14,27 +13,16 @@ from consumer_kit.delivery import Delivery, Dispatch, Outcome, Result
 from consumer_kit.errors import ConfigurationError, InvalidKey, MissingStableId
 from consumer_kit.keys import OperationKey
 from consumer_kit.settings import Settings
+from consumer_kit.source_store import Inbox, PendingTick, ScheduleId, ScheduleStore, SourceStore, TickRecord
 from consumer_kit.sources.schedules import timing
 from consumer_kit.sources.schedules.catchup import CatchUp, Overlap
 from consumer_kit.sources.schedules.clock import DatabaseClock, ScheduleClock
+from consumer_kit.sources.schedules.message import ScheduleDelivery, tick_delivery, tick_of
 from consumer_kit.sources.schedules.runner import Runner
-from consumer_kit.store import Database
-from consumer_kit.store.schedules import PendingTick, ScheduleId, ScheduleStore, TickRecord
 from consumer_kit.tracing import SpanShape
 
 T = TypeVar("T")
 IN_PROGRESS_POLL_SECONDS = 0.25  # fire(): how often to look again at a tick another process holds
-
-
-@dataclass(frozen=True, slots=True)
-class ScheduleDelivery(Delivery):
-    """A tick, as the handler gets it (``ctx.delivery``): ``scheduled_for`` is the intended fire instant
-    (the key's id), ``late_by`` how long after it this attempt was dispatched. Neither is part of the
-    fingerprint; the body (the schedule's name and version, and the tick) is the same on every replica
-    and every attempt."""
-
-    scheduled_for: datetime = datetime(1970, 1, 1, tzinfo=UTC)
-    late_by: timedelta = timedelta(0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,7 +92,7 @@ class Schedule:
         self.misfire_grace_seconds = misfire_grace_seconds
         self._given_clock = clock
         self._clock: ScheduleClock | None = clock
-        self._database: Database | None = None
+        self._store: SourceStore | None = None
         self._sid: ScheduleId | None = None
         self._settings: Settings | None = None
         self._runner: Runner | None = None
@@ -117,19 +105,16 @@ class Schedule:
 
     def delivery(self, tick: datetime, now: datetime) -> ScheduleDelivery:
         """The delivery of ``tick``, dispatched at ``now``."""
-        scheduled = timing.key_id(tick)
-        body = json.dumps({"schedule": self.name, "version": self.version, "scheduled_for": scheduled},
-                          separators=(",", ":")).encode()
-        return ScheduleDelivery(id=scheduled, body=body, headers={"content-type": "application/json"},
-                                scheduled_for=tick, late_by=max(now - tick, timedelta(0)))
+        return tick_delivery(self.name, self.version, tick, now)
 
-    def use_store(self, database: Database, *, consumer: str, settings: Settings) -> None:
-        """Called by the app when it starts, before :meth:`start`: the schedule keeps its state in the
-        store under ``consumer`` (its handler's inbox scope) and, by default, reads the database's clock."""
-        self._database = database
-        self._sid = ScheduleId(consumer, self.name, self.version)
-        self._settings = settings
-        self._clock = self._given_clock or DatabaseClock(database)
+    def use_store(self, store: SourceStore) -> None:
+        """Called by the app when it starts, before :meth:`start`: the schedule keeps its state in
+        ``store.schedules`` under ``store.consumer`` (its handler's inbox scope), looks its ticks up in
+        the app's inbox and, by default, reads the database's clock."""
+        self._store = store
+        self._sid = ScheduleId(store.consumer, self.name, self.version)
+        self._settings = store.settings
+        self._clock = self._given_clock or DatabaseClock(store.schedules)
 
     @property
     def sid(self) -> ScheduleId:
@@ -139,7 +124,12 @@ class Schedule:
     @property
     def store(self) -> ScheduleStore:
         """The schedule's state in the store."""
-        return ScheduleStore(self._bound(self._database))
+        return self._bound(self._store).schedules
+
+    @property
+    def inbox(self) -> Inbox:
+        """The app's inbox, where each tick's run is recorded."""
+        return self._bound(self._store).inbox
 
     @property
     def clock(self) -> ScheduleClock:
@@ -210,10 +200,7 @@ class Schedule:
     async def replay(self, delivery: Delivery, dispatch: Dispatch) -> Result:
         """Run a parked tick again (``consumer-kit parked replay``): its row goes back to pending, then
         the tick runs through the inbox as :meth:`fire` runs one, and its row records how it settled."""
-        try:
-            tick = datetime.strptime(delivery.id or "", "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC)
-        except ValueError:
-            raise MissingStableId("the parked delivery is not a tick of this schedule") from None
+        tick = tick_of(delivery)
         async with self.store.database.connect() as ex:
             await self.store.unpark(ex, self.sid, tick, now=await self.clock.now())
         return (await self.fire(tick, dispatch=dispatch, wait_seconds=0)).result
