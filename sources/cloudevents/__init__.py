@@ -4,6 +4,11 @@ key mapper for CloudEvents carried inside RabbitMQ and SQS messages. Needs the `
 
 The key is ``source`` + ``id`` (spec: "producers MUST ensure that source + id is unique for each
 distinct event"), never a transport's message id, and never a random id filled in for a missing one.
+
+The parts, as every source has them where an HTTP sink has one: the source (:mod:`.source`), the
+message reader (an event read and checked, :mod:`.message`, on the type system of :mod:`.values`), the
+settlement (the HTTP answer, :mod:`.settlement`); the key of an event carried by a queue is
+:mod:`.queues`. Nothing is published back, so there is no publisher.
 """
 
 try:
@@ -13,9 +18,9 @@ except ModuleNotFoundError as exc:  # pragma: no cover - depends on the installa
 
     raise missing_extra("cloudevents", "consumer_kit.sources.cloudevents", exc) from exc
 
-from consumer_kit.sources.cloudevents.event import CloudEventDelivery, InvalidEvent, key_id
+from consumer_kit.sources.cloudevents.message import CloudEventDelivery, InvalidEvent, key_id
 from consumer_kit.sources.cloudevents.queues import cloudevent_key_mapper
-from consumer_kit.sources.cloudevents.receiver import BATCH, STRUCTURED, CloudEventsSource, TooManyEvents
+from consumer_kit.sources.cloudevents.source import BATCH, STRUCTURED, CloudEventsSource, TooManyEvents
 
 __all__ = [
     "BATCH",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from consumer_kit.delivery import Delivery
 from consumer_kit.http import loads_json
-from consumer_kit.sources.cloudevents.event import key_id
+from consumer_kit.sources.cloudevents.message import key_id
 
 _TRANSPORT_PREFIXES = ("cloudevents_", "cloudevents:", "ce_", "ce-")
 

@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from consumer_kit.http import loads_json
-from consumer_kit.sources.cloudevents.event import CloudEventDelivery, from_binary, from_structured, parse_document
+from consumer_kit.sources.cloudevents.message import CloudEventDelivery, from_binary, from_structured, parse_document
 
 # String attribute values: any Unicode the String type allows (no controls, surrogates, noncharacters).
 allowed = st.characters(blacklist_categories=("Cc", "Cs"), blacklist_characters="\ufffe\uffff\ufdd0")

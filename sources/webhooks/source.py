@@ -5,7 +5,9 @@ verifier (400 malformed, 401 unauthenticated; neither is parked nor run, both ar
 the delivery to the pipeline keyed by the provider's stable id and answer its verdict
 (:func:`consumer_kit.http.answer_for`): 200 processed or already processed, 503 with ``Retry-After``
 while in progress or to be retried, 400 and parked when verified but unparseable or without an id,
-202 and parked on a conflict or another terminal outcome.
+202 and parked on a conflict or another terminal outcome. The verdict is the settlement: HTTP sources
+share the core's answers, so a webhook has no settlement module of its own; the request-to-delivery
+step is :mod:`.message`.
 """
 
 from __future__ import annotations
@@ -14,10 +16,11 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from consumer_kit.delivery import Delivery, Dispatch
-from consumer_kit.errors import MissingStableId, TerminalError
+from consumer_kit.errors import MissingStableId
 from consumer_kit.http import DEFAULT_BODY_LIMIT
 from consumer_kit.http.intake import HttpIntake, respond, single_headers
 from consumer_kit.keys import OperationKey
+from consumer_kit.sources.webhooks.message import to_delivery
 from consumer_kit.sources.webhooks.verifiers import Verifier
 
 
@@ -45,10 +48,4 @@ class WebhookSource(HttpIntake):
         """Verify one request and answer the pipeline's verdict on it."""
         headers = single_headers(request, self.verifier.header_names)
         body = await self.read_body(request)
-        attributes = self.verifier.verify(headers, body)
-        try:
-            stable_id: str | None = self.verifier.stable_id(headers, body)
-        except TerminalError:
-            stable_id = None  # key() raises the same error inside the pipeline, which parks it
-        delivery = Delivery(id=stable_id, body=body, headers=headers, attributes=attributes)
-        return respond(await dispatch(delivery))
+        return respond(await dispatch(to_delivery(self.verifier, headers, body)))

@@ -1,6 +1,6 @@
-"""One CloudEvent, read from either HTTP content mode, checked against the specification (v1.0.2:
-core attributes, the HTTP protocol binding, the JSON event format), and handed to the pipeline as
-a :class:`CloudEventDelivery` in binary form.
+"""The CloudEvents message reader: one event, read from either HTTP content mode, checked against the
+specification (v1.0.2: core attributes, the HTTP protocol binding, the JSON event format), and handed
+to the pipeline as a :class:`CloudEventDelivery` in binary form.
 
 **Binary form** (what a handler sees in either mode): every attribute as a ``ce-<name>`` header, its
 value decoded (Booleans ``true``/``false``, Integers in decimal), ``datacontenttype`` as

@@ -3,14 +3,14 @@
 The ``Content-Type`` chooses the mode (HTTP binding §3): ``application/cloudevents+json`` is
 structured mode, ``application/cloudevents-batch+json`` batched mode (when ``batch=True``), another
 ``application/cloudevents...`` format is 415, and anything else with ``ce-`` headers is binary mode
-(without them, 415: not a CloudEvent). Each event becomes one
-:class:`~consumer_kit.sources.cloudevents.event.CloudEventDelivery`, keyed ``namespace:v<version>:<source>#<id>``.
+(without them, 415: not a CloudEvent). Each event becomes one :class:`~.message.CloudEventDelivery`
+(the message reader), keyed ``namespace:v<version>:<source>#<id>``.
 
 Answers: those of :func:`consumer_kit.http.answer_for` for each event (an invalid event is parked and
 answered 400); 400 without parking for a repeated ``ce-`` or ``Content-Type`` header; 401 for a wrong
 bearer when ``bearer_tokens`` are set. A batch is judged member by member and answered once (see
-:func:`batch_response`); a batch of more than ``CLOUDEVENTS_MAX_BATCH_EVENTS`` events is parked
-whole, once, as ``too_many_events`` (400), so one request cannot park thousands of rows. ``OPTIONS``
+:func:`~.settlement.batch_response`); a batch of more than ``CLOUDEVENTS_MAX_BATCH_EVENTS`` events is
+parked whole, once, as ``too_many_events`` (400), so one request cannot park thousands of rows. ``OPTIONS``
 with ``WebHook-Request-Origin`` is the CloudEvents webhook abuse-protection handshake.
 """
 
@@ -23,7 +23,7 @@ from dataclasses import replace
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from consumer_kit.delivery import Delivery, Dispatch, Result, Settlement
+from consumer_kit.delivery import Delivery, Dispatch, Result
 from consumer_kit.errors import UnparseableDelivery
 from consumer_kit.http import (
     DEFAULT_BODY_LIMIT,
@@ -31,12 +31,11 @@ from consumer_kit.http import (
     MalformedRequest,
     Unauthenticated,
     UnsupportedMediaType,
-    answer_for,
 )
 from consumer_kit.http.intake import HttpIntake, reject, respond, single_headers
 from consumer_kit.keys import OperationKey
 from consumer_kit.settings import Settings
-from consumer_kit.sources.cloudevents.event import (
+from consumer_kit.sources.cloudevents.message import (
     CloudEventDelivery,
     InvalidEvent,
     dump_document,
@@ -45,6 +44,7 @@ from consumer_kit.sources.cloudevents.event import (
     invalid,
     parse_document,
 )
+from consumer_kit.sources.cloudevents.settlement import batch_response
 from consumer_kit.tracing import TRACE_HEADERS
 
 STRUCTURED = "application/cloudevents+json"
@@ -179,21 +179,6 @@ class CloudEventsSource(HttpIntake):
             matched |= hmac.compare_digest(expected, given)
         if scheme.lower() != "bearer" or not matched:
             raise Unauthenticated(challenge="Bearer")
-
-
-def batch_response(results: Sequence[Result]) -> Response:
-    """One answer for a batch: 503 if any event is to be retried (the others are deduplicated then),
-    400 if any was invalid, 202 if any was parked, else 200; with every event's verdict in order."""
-    answers = [answer_for(result) for result in results]
-    status, headers = 200, {}
-    if any(result.settlement is Settlement.RETRY_LATER for result in results):
-        status = 503
-        headers = {"Retry-After": str(max(int(a.headers.get("Retry-After", "1")) for a in answers))}
-    elif answers and max(a.status for a in answers) >= 400:
-        status = 400
-    elif any(a.status == 202 for a in answers):
-        status = 202
-    return JSONResponse({"results": [a.body for a in answers]}, status_code=status, headers=headers)
 
 
 def _carrying(dispatch: Dispatch, carried: Mapping[str, str]) -> Dispatch:
