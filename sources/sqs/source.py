@@ -61,6 +61,23 @@ RECEIVE_FAILURES = Counter("consumer_kit_sqs_receive_failures_total",
                            "ReceiveMessage calls that failed (the source backs off and goes on).", ["source"])
 
 
+def _check(*, queue_url: str | None, queue_name: str | None, envelope: str, max_in_flight: int, pollers: int,
+           visibility_timeout: int | None, retry_delays: Sequence[float]) -> None:
+    """SQSSource's arguments, checked at construction: a mistake is a ConfigurationError there."""
+    if (queue_url is None) == (queue_name is None):
+        raise ConfigurationError("pass exactly one of queue_url= and queue_name=")
+    if envelope not in ENVELOPES:
+        raise ConfigurationError(f"unknown envelope {envelope!r}; choose from {', '.join(ENVELOPES)}")
+    if envelope == "cloudevents":
+        require_cloudevents()
+    if max_in_flight < 1 or pollers < 1:
+        raise ConfigurationError("max_in_flight and pollers must be at least 1")
+    if visibility_timeout is not None and not 1 <= visibility_timeout <= MAX_VISIBILITY_SECONDS:
+        raise ConfigurationError(f"visibility_timeout must be 1..{MAX_VISIBILITY_SECONDS} seconds")
+    if not retry_delays or min(retry_delays) < 0:
+        raise ConfigurationError("retry_delays must be non-negative seconds, at least one")
+
+
 class SQSSource(EnvelopedSource):
     """Receives ``queue_url`` (or ``queue_name``, looked up at start) and hands each message to the
     pipeline; see the package docstring for settlement, heartbeat, dead letters and FIFO queues.
@@ -96,20 +113,9 @@ class SQSSource(EnvelopedSource):
         settle_linger: float = 0.02,
     ) -> None:
         super().__init__(namespace=namespace, version=version, key=key, key_mapper=key_mapper)
-        if (queue_url is None) == (queue_name is None):
-            raise ConfigurationError("pass exactly one of queue_url= and queue_name=")
-        if envelope not in ENVELOPES:
-            raise ConfigurationError(f"unknown envelope {envelope!r}; choose from {', '.join(ENVELOPES)}")
-        if envelope == "cloudevents":
-            require_cloudevents()
-        if max_in_flight < 1 or pollers < 1:
-            raise ConfigurationError("max_in_flight and pollers must be at least 1")
-        if visibility_timeout is not None and not 1 <= visibility_timeout <= MAX_VISIBILITY_SECONDS:
-            raise ConfigurationError(f"visibility_timeout must be 1..{MAX_VISIBILITY_SECONDS} seconds")
-        if not retry_delays or min(retry_delays) < 0:
-            raise ConfigurationError("retry_delays must be non-negative seconds, at least one")
-        self.queue_url = queue_url
-        self.queue_name = queue_name
+        _check(queue_url=queue_url, queue_name=queue_name, envelope=envelope, max_in_flight=max_in_flight,
+               pollers=pollers, visibility_timeout=visibility_timeout, retry_delays=retry_delays)
+        self.queue_url, self.queue_name = queue_url, queue_name
         self.name = name or f"sqs:{queue_name or (queue_url or '').rstrip('/').rsplit('/', 1)[-1]}"
         self.envelope = envelope
         self.max_in_flight = max_in_flight
@@ -119,8 +125,7 @@ class SQSSource(EnvelopedSource):
         self.pollers = pollers
         self.retry_delays = tuple(sorted(retry_delays))
         self._policy = SettlementPolicy(self.retry_delays, dead_letter_queue_url)
-        self.endpoint_url = endpoint_url
-        self.region = region
+        self.endpoint_url, self.region = endpoint_url, region
         self.settle_linger = settle_linger
         self.span_shape = SpanShape("consumer", system="aws_sqs", destination=self.name.split(":", 1)[-1])
         self.fifo = False
