@@ -267,6 +267,7 @@ class Contract:
         self.tracer_provider = tracer_provider
         self.script = Script()
         self.source: Source | None = None
+        self.patience = 1.0  # scales every wait (a test that expects a case to fail need not wait long)
         self._engine = create_async_engine(database_url)
 
     @classmethod
@@ -301,7 +302,7 @@ class Contract:
         return (await self.effects()).count(str(key_id))
 
     async def wait(self, check: Callable[[], Awaitable[bool]], what: str, seconds: float = 20) -> None:
-        await wait_until(check, seconds, what)
+        await wait_until(check, seconds * self.patience, what)
 
     async def wait_acked(self, sent: Sent, what: str = "the delivery to be acknowledged", seconds: float = 20) -> None:
         async def acked() -> bool:
