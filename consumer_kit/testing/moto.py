@@ -13,9 +13,15 @@ The server runs with one fix (:class:`SerialisedWrites`): moto's delete builds a
 assigns it without the queue's lock, while a send appends to the list under that lock; a message sent
 by one request thread while another deletes is appended to the old list and lost. Real SQS loses
 nothing; without the fix a test that sends while a consumer deletes (a live producer) sometimes ends a
-message short with the queue empty, which is moto's loss, not the consumer's. The fix is a WSGI
-middleware around moto's public application: the SQS requests that add or remove messages run one at
-a time (receives, long polls included, still run side by side). Run as
+message short with the queue empty, which is moto's loss, not the consumer's. The fix: the SQS requests
+that add or remove messages run one at a time (receives, long polls included, still run side by side).
+
+moto's public server, ``moto.server.ThreadedMotoServer``, takes no WSGI middleware (it builds its
+application inside its thread), and the pieces it is built from (``moto.moto_server.werkzeug_app``) are
+not moto's public API. So the fix is a front of our own, in the same process: a threaded werkzeug
+server (:class:`Forward` behind :class:`SerialisedWrites`) that hands each request on, over a
+keep-alive loopback connection per thread, to a ``ThreadedMotoServer`` on a port of its own. The cost
+is that second HTTP hop per SQS request, inside moto's process. Run as
 ``python -m consumer_kit.testing.moto -H HOST -p PORT``.
 """
 
@@ -23,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import http.client
 import io
 import os
 import re
@@ -98,18 +105,68 @@ def _action(environ: dict[str, Any]) -> str:
     return ""
 
 
+_HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding",
+                         "upgrade", "content-length", "expect"})
+"""Headers that belong to one connection, not to the request or answer handed on (the length is set anew)."""
+
+
+class Forward:
+    """WSGI app: each request is sent on to the HTTP server at ``host:port`` and its answer returned, with
+    the client's ``Host`` (moto builds queue URLs from it, so they name this front)."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.host, self.port = host, port
+        self._local = threading.local()  # one upstream connection per request thread
+
+    def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> list[bytes]:
+        from werkzeug.datastructures import EnvironHeaders
+        from werkzeug.wsgi import get_input_stream
+
+        target = urllib.parse.quote(environ.get("SCRIPT_NAME", "") + environ.get("PATH_INFO", ""))
+        if environ.get("QUERY_STRING"):
+            target += "?" + environ["QUERY_STRING"]
+        body = get_input_stream(environ).read()
+        headers = {name: value for name, value in EnvironHeaders(environ).items()
+                   if name.lower() not in _HOP_BY_HOP}
+        headers["Content-Length"] = str(len(body))
+        answer = self._send(environ["REQUEST_METHOD"], target, body, headers)
+        start_response(f"{answer.status} {answer.reason}",
+                       [(name, value) for name, value in answer.getheaders() if name.lower() not in _HOP_BY_HOP])
+        return [answer.read()]
+
+    def _send(self, method: str, target: str, body: bytes, headers: dict[str, str]) -> http.client.HTTPResponse:
+        connection: http.client.HTTPConnection | None = getattr(self._local, "connection", None)
+        if connection is None:
+            connection = self._local.connection = http.client.HTTPConnection(self.host, self.port)
+        try:
+            connection.request(method, target, body, headers)
+            return connection.getresponse()
+        except BaseException:
+            # A connection in doubt is closed, never reused; the client (boto3) retries as it would
+            # against SQS, so a request is not sent twice from here.
+            connection.close()
+            self._local.connection = None
+            raise
+
+
 def main(argv: list[str] | None = None) -> None:
-    """moto's server (as ``moto.server`` runs it, from its public parts) behind :class:`SerialisedWrites`."""
-    from moto.moto_server.werkzeug_app import DomainDispatcherApplication, MotoRequestHandler, create_backend_app
-    from werkzeug.serving import run_simple
+    """moto's public server (``ThreadedMotoServer``) behind :class:`SerialisedWrites` (see the module
+    docstring); prints ``Running on http://HOST:PORT`` once it serves."""
+    from moto.server import ThreadedMotoServer
+    from werkzeug.serving import make_server
 
     parser = argparse.ArgumentParser(prog="python -m consumer_kit.testing.moto")
     parser.add_argument("-H", "--host", default="127.0.0.1")
     parser.add_argument("-p", "--port", type=int, default=0)
     args = parser.parse_args(argv)
-    os.environ.setdefault("MOTO_PORT", str(args.port))
-    run_simple(args.host, args.port, SerialisedWrites(DomainDispatcherApplication(create_backend_app)),
-               threaded=True, request_handler=MotoRequestHandler)
+    moto = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    moto.start()
+    try:
+        front = make_server(args.host, args.port, SerialisedWrites(Forward(*moto.get_host_and_port())), threaded=True)
+        print(f"Running on http://{args.host}:{front.server_port}", flush=True)
+        front.serve_forever()
+    finally:
+        moto.stop()
 
 
 if __name__ == "__main__":
