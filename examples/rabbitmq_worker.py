@@ -16,30 +16,21 @@ message changes nothing, and a worker killed at any point and started again reco
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
-import sys
 
 import aio_pika
-from sqlalchemy import Column, Integer, MetaData, String, Table
+from sqlalchemy import MetaData
 
 from consumer_kit import ConsumerApp, Context, Settings
 from consumer_kit.sources.rabbitmq import AmqpPublisher, RabbitMQSource
-from consumer_kit.store import create_engine
+from examples.orders import create_tables, main, orders_table, record
 
 ORDERS_QUEUE = os.environ.get("ORDERS_QUEUE", "orders")
 EVENTS_QUEUE = os.environ.get("EVENTS_QUEUE", f"{ORDERS_QUEUE}.events")
 
 metadata = MetaData()
-orders = Table(
-    "example_orders",
-    metadata,
-    Column("id", Integer, primary_key=True, autoincrement=True),
-    Column("order_ref", String(100), nullable=False),
-    Column("amount", Integer, nullable=False),
-    Column("key_digest", String(16), nullable=False),
-)
+orders = orders_table("example_orders", metadata)
 
 settings = Settings()
 app = ConsumerApp(settings)
@@ -54,22 +45,14 @@ app.relay_outbox(AmqpPublisher(settings=settings))
 @app.handler(source, name="record-order")
 async def record_order(ctx: Context) -> None:
     """Record the order and announce it; both commit with the inbox row or not at all."""
-    order = ctx.delivery.json()
-    await ctx.db.execute(orders.insert().values(
-        order_ref=order["order"], amount=int(order["amount"]), key_digest=ctx.key_digest))
-    event = {"type": "order.recorded", "order": order["order"], "amount": order["amount"]}
+    event = await record(ctx, orders)
     ctx.outbox.publish(EVENTS_QUEUE, json.dumps(event).encode(), headers={"content-type": "application/json"})
 
 
 async def init() -> None:
     """Create the example's table and the events queue (the framework's own tables come from
     ``consumer-kit db upgrade``; the orders queue is declared by the source)."""
-    engine = create_engine(settings.database_url)
-    try:
-        async with engine.begin() as conn:
-            await conn.run_sync(metadata.create_all)
-    finally:
-        await engine.dispose()
+    await create_tables(settings, metadata)
     connection = await aio_pika.connect(settings.require_rabbitmq_url())
     async with connection:
         channel = await connection.channel()
@@ -77,6 +60,4 @@ async def init() -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] != ["init"]:
-        raise SystemExit("usage: python -m examples.rabbitmq_worker init")
-    asyncio.run(init())
+    main("examples.rabbitmq_worker", init)

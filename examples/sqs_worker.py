@@ -25,28 +25,20 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import sys
 
 import boto3
-from sqlalchemy import Column, Integer, MetaData, String, Table
+from sqlalchemy import MetaData
 
 from consumer_kit import ConsumerApp, Context, Settings
 from consumer_kit.sources.sqs import SqsPublisher, SQSSource
-from consumer_kit.store import create_engine
+from examples.orders import create_tables, main, orders_table, record
 
 ORDERS_TOPIC = os.environ.get("ORDERS_TOPIC", "orders")
 ORDERS_QUEUE = os.environ.get("ORDERS_QUEUE", "orders")
 EVENTS_QUEUE = os.environ.get("EVENTS_QUEUE", f"{ORDERS_QUEUE}-events")
 
 metadata = MetaData()
-orders = Table(
-    "example_sqs_orders",
-    metadata,
-    Column("id", Integer, primary_key=True, autoincrement=True),
-    Column("order_ref", String(100), nullable=False),
-    Column("amount", Integer, nullable=False),
-    Column("key_digest", String(16), nullable=False),
-)
+orders = orders_table("example_sqs_orders", metadata)
 
 settings = Settings()
 app = ConsumerApp(settings)
@@ -58,10 +50,7 @@ app.relay_outbox(SqsPublisher(settings=settings))
 @app.handler(source, name="record-sqs-order")
 async def record_order(ctx: Context) -> None:
     """Record the order and announce it; both commit with the inbox row or not at all."""
-    order = ctx.delivery.json()
-    await ctx.db.execute(orders.insert().values(
-        order_ref=order["order"], amount=int(order["amount"]), key_digest=ctx.key_digest))
-    event = {"type": "order.recorded", "order": order["order"], "amount": order["amount"]}
+    event = await record(ctx, orders)
     ctx.outbox.publish(EVENTS_QUEUE, json.dumps(event), headers={"content-type": "application/json"})
 
 
@@ -69,12 +58,7 @@ async def init() -> None:
     """Create the example's table; create the topic, the queues (the orders queue with a redrive
     policy to its dead-letter queue) and the subscription unless they exist. In production these come
     from your infrastructure code; the calls are idempotent."""
-    engine = create_engine(settings.database_url)
-    try:
-        async with engine.begin() as conn:
-            await conn.run_sync(metadata.create_all)
-    finally:
-        await engine.dispose()
+    await create_tables(settings, metadata)
     await asyncio.to_thread(_create_topic_and_queues)
 
 
@@ -101,6 +85,4 @@ def _create_topic_and_queues() -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] != ["init"]:
-        raise SystemExit("usage: python -m examples.sqs_worker init")
-    asyncio.run(init())
+    main("examples.sqs_worker", init)

@@ -1,0 +1,53 @@
+"""What the RabbitMQ and SQS example workers share: the table an order is recorded in, the recording
+itself (inside the handler's transaction), and the ``python -m examples.<worker> init`` command that
+creates the table. Each worker names its own table, source, publisher and events queue."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from sqlalchemy import Column, Integer, MetaData, String, Table
+
+from consumer_kit import Context, Settings
+from consumer_kit.store import create_engine
+
+
+def orders_table(name: str, metadata: MetaData) -> Table:
+    """The table of recorded orders: one row an order, with the key digest it was recorded under."""
+    return Table(
+        name,
+        metadata,
+        Column("id", Integer, primary_key=True, autoincrement=True),
+        Column("order_ref", String(100), nullable=False),
+        Column("amount", Integer, nullable=False),
+        Column("key_digest", String(16), nullable=False),
+    )
+
+
+async def record(ctx: Context, orders: Table) -> dict[str, Any]:
+    """Insert the delivered order ``{"order": "...", "amount": 12}`` into ``orders`` in the handler's
+    transaction; the ``order.recorded`` event to announce it with."""
+    order = ctx.delivery.json()
+    await ctx.db.execute(orders.insert().values(
+        order_ref=order["order"], amount=int(order["amount"]), key_digest=ctx.key_digest))
+    return {"type": "order.recorded", "order": order["order"], "amount": order["amount"]}
+
+
+async def create_tables(settings: Settings, metadata: MetaData) -> None:
+    """Create the example's tables (consumer-kit's own come from ``consumer-kit db upgrade``)."""
+    engine = create_engine(settings.database_url)
+    try:
+        async with engine.begin() as conn:
+            await conn.run_sync(metadata.create_all)
+    finally:
+        await engine.dispose()
+
+
+def main(module: str, init: Callable[[], Awaitable[None]]) -> None:
+    """``python -m <module> init``: run the example's ``init``."""
+    if sys.argv[1:] != ["init"]:
+        raise SystemExit(f"usage: python -m {module} init")
+    asyncio.run(init())
