@@ -134,23 +134,6 @@ async def test_secret_rotation_accepts_old_and_new(hooks: tuple[Harness, httpx.A
     assert harness.runs == {"standard": 2}
 
 
-async def test_stripe_keyed_by_event_id(hooks: tuple[Harness, httpx.AsyncClient]) -> None:
-    harness, client = hooks
-    body = b'{"id": "evt_1NG8Du2eZvKYlo2CUI79vXWy", "object": "event", "type": "charge.succeeded"}'
-    first = await client.post(
-        "/hooks/stripe", content=body, headers={"stripe-signature": stripe_signature(STRIPE_SECRET, body)}
-    )
-    later = int(time.time()) + 30
-    retry = await client.post(
-        "/hooks/stripe",
-        content=body,
-        headers={"stripe-signature": stripe_signature(STRIPE_SECRET, body, later)},
-    )
-    assert (first.status_code, retry.status_code) == (200, 200)
-    assert retry.json()["outcome"] == "duplicate"
-    assert harness.runs == {"stripe": 1}
-
-
 async def test_github_two_hooks_one_guid_are_two_deliveries(hooks: tuple[Harness, httpx.AsyncClient]) -> None:
     harness, client = hooks
     body = b'{"action": "opened", "number": 7}'
