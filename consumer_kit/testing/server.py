@@ -33,23 +33,26 @@ async def served_asgi(app: ASGIApp, *, log_level: str = "warning",
     any other (it installs no logging configuration of its own), so a test sees what the server logged."""
     import uvicorn
 
-    from consumer_kit.http.server import server_config
+    from consumer_kit.http.server import listen, serve_until, server_config
 
-    port = free_port()
+    sock = listen("127.0.0.1", 0)
+    port = int(sock.getsockname()[1])
     options = {"log_level": log_level, "log_config": None, "access_log": False, "lifespan": "on"}
     config = (server_config(app, settings, host="127.0.0.1", port=port, **options) if settings is not None
               else uvicorn.Config(app, host="127.0.0.1", port=port, **options))  # type: ignore[arg-type]
     server = uvicorn.Server(config)
-    task = asyncio.create_task(server.serve())
-    while not server.started:
-        if task.done():
-            task.result()  # raises what stopped the server
-        await asyncio.sleep(0.01)
+    stop = asyncio.Event()
+    task = asyncio.create_task(serve_until(server, stop, sock))
     try:
+        while not server.started:
+            if task.done():
+                task.result()  # raises what stopped the server
+            await asyncio.sleep(0.01)
         yield f"http://127.0.0.1:{port}"
     finally:
-        server.should_exit = True
+        stop.set()
         await task
+        sock.close()
 
 
 @contextlib.asynccontextmanager
