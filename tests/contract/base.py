@@ -101,6 +101,7 @@ class SourceAdapter(abc.ABC):
     capabilities: ClassVar[frozenset[Capability]]
     marks: ClassVar[tuple[pytest.MarkDecorator, ...]] = ()
     span_kind: ClassVar[SpanKind] = SpanKind.CONSUMER
+    database: ClassVar[str] = "sqlite"  # or "postgres": the run's PostgreSQL database (then mark it postgres)
     unkeyable_reason: ClassVar[str] = "missing_stable_id"
 
     def __init__(self) -> None:
@@ -278,6 +279,7 @@ class Contract:
         try:
             async with contract._engine.begin() as conn:
                 await conn.run_sync(effects_metadata.create_all)
+                await conn.execute(effects.delete())  # a PostgreSQL database is the run's, not the test's
             yield contract
         finally:
             await contract._engine.dispose()

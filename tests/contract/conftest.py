@@ -6,7 +6,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from tests.conftest import Spans
+from tests.conftest import Spans, truncate_all
 from tests.contract.adapters import ADAPTERS
 from tests.contract.base import Contract, SourceAdapter
 
@@ -26,6 +26,12 @@ async def adapter(adapter_class: type[SourceAdapter], request: pytest.FixtureReq
 
 
 @pytest.fixture
-async def contract(adapter: SourceAdapter, sqlite_url: str, spans: Spans) -> AsyncIterator[Contract]:
-    async with Contract.open(adapter, sqlite_url, spans.provider) as opened:
+async def contract(adapter: SourceAdapter, request: pytest.FixtureRequest, spans: Spans) -> AsyncIterator[Contract]:
+    """The case's harness on a SQLite file of the test's own, or on the run's PostgreSQL database, emptied."""
+    if adapter.database == "postgres":
+        url: str = request.getfixturevalue("pg_url")
+        await truncate_all(url)
+    else:
+        url = request.getfixturevalue("sqlite_url")
+    async with Contract.open(adapter, url, spans.provider) as opened:
         yield opened

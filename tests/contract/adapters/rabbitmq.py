@@ -35,7 +35,8 @@ SOURCE_URL = AMQP_URL + "?reconnect_interval=0.5"
 class RabbitMQAdapter(SourceAdapter):
     id = "rabbitmq"
     capabilities = EVERY_SOURCE | {Capability.UNKEYABLE, Capability.TRACE, Capability.CUT}
-    marks = (pytest.mark.rabbitmq,)
+    marks = (pytest.mark.rabbitmq, pytest.mark.postgres)
+    database = "postgres"  # the inbox on PostgreSQL, as a RabbitMQ worker runs in production
 
     def __init__(self) -> None:
         super().__init__()
