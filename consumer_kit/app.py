@@ -227,19 +227,7 @@ class ConsumerApp:
             raise RuntimeError("the app is already started")
         settings = self.settings
         digester = settings.digester()  # fails fast on a missing production HMAC key
-        engine = create_engine(settings.database_url, pool_size=settings.db_pool_size)
-        try:
-            await ensure_schema(engine, app=AppMigrations.from_settings(settings))
-        except BaseException:
-            await engine.dispose()
-            raise
-        self._engine = engine
-        database = self._database = Database(engine)
-        if any(spec.driver == "asyncpg" for spec in self.specs) and not database.asyncpg:
-            await engine.dispose()
-            self._engine = self._database = None
-            raise ConfigurationError("driver='asyncpg' handlers need PostgreSQL on the asyncpg driver; "
-                                     f"DATABASE_URL is {engine.dialect.name}+{engine.dialect.driver}")
+        database = await self._open_database()
         # Asked once: with no tracer provider configured, no delivery pays for tracing.
         tracer = tracing.start(self.tracer_provider)
         self._http = httpx.AsyncClient(timeout=httpx.Timeout(20.0), event_hooks={
@@ -281,7 +269,24 @@ class ConsumerApp:
             await self.stop(grace=0)
             raise
         self._serving = True
-        log.info("consumer-kit started: %d source(s) on %s", len(self.specs), engine.dialect.name)
+        log.info("consumer-kit started: %d source(s) on %s", len(self.specs), database.dialect)
+
+    async def _open_database(self) -> Database:
+        """The engine and the store's database on it, the schema checked (SQLite: migrated)."""
+        settings = self.settings
+        engine = create_engine(settings.database_url, pool_size=settings.db_pool_size)
+        try:
+            await ensure_schema(engine, app=AppMigrations.from_settings(settings))
+        except BaseException:
+            await engine.dispose()
+            raise
+        database = Database(engine)
+        if any(spec.driver == "asyncpg" for spec in self.specs) and not database.asyncpg:
+            await engine.dispose()
+            raise ConfigurationError("driver='asyncpg' handlers need PostgreSQL on the asyncpg driver; "
+                                     f"DATABASE_URL is {engine.dialect.name}+{engine.dialect.driver}")
+        self._engine, self._database = engine, database
+        return database
 
     @property
     def failure(self) -> ConfigurationError | None:
