@@ -111,13 +111,14 @@ async def test_a_terminal_error_parks_the_delivery(contract: Contract) -> None:
 async def test_a_delivery_in_flight_at_stop_is_redelivered_once(contract: Contract) -> None:
     adapter, script = contract.adapter, contract.script
     script.first_run(Act.BLOCK)  # never released: the stop's grace runs out and cancels it
-    async with contract.serving(contract.app(shutdown_grace_seconds=0.2)):
+    # A lease longer than the case waits: the redelivery runs only if the stop gave the lease back.
+    async with contract.serving(contract.app(shutdown_grace_seconds=0.2, inbox_lease_seconds=60)):
         sent = await adapter.send(unique("f"))
         await contract.wait(script.started, "the handler to start")
     assert [(run.act, run.cancelled) for run in script.runs] == [(Act.BLOCK, True)]
     assert await contract.effects() == []
 
-    async with contract.serving(contract.app()):  # the worker again
+    async with contract.serving(contract.app(inbox_lease_seconds=60)):  # the worker again
         await adapter.resend_unsettled(sent)
 
         async def done() -> bool:
@@ -233,6 +234,7 @@ async def test_every_outcome_is_counted(contract: Contract) -> None:
         return {r: counted("consumer_kit_dead_letters_total", source=name, reason=r) for r in reasons}
 
     outcomes_before, reasons_before = outcome_counts(), reason_counts()
+    durations_before = counted("consumer_kit_handler_duration_seconds_count", source=name)
     expected = {"processed": 2, "duplicate": 1, "retry": 1, "dead_lettered": 1, "invalid": int(unkeyable)}
     expected_reasons = {REFUSED: 1, adapter.unkeyable_reason: int(unkeyable)}
 
@@ -259,5 +261,7 @@ async def test_every_outcome_is_counted(contract: Contract) -> None:
         await contract.wait(all_counted, f"the outcomes to be counted as {expected}")
         assert counted("consumer_kit_in_flight", source=name) == 0
     assert outcome_deltas() == expected
+    assert counted("consumer_kit_handler_duration_seconds_count", source=name) - durations_before == \
+        expected["processed"]  # timed: the deliveries whose handler ran and committed
     now = reason_counts()
     assert {r: now[r] - reasons_before[r] for r in reasons} == expected_reasons
