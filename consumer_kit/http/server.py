@@ -8,12 +8,9 @@ trickles a head or a body a byte at a time (slowloris) holds its connection, and
 shutdown, forever (uvicorn's ``--timeout-request-start`` was proposed and never merged). An ASGI
 middleware cannot close that gap: the application is called only once the whole head has been read.
 
-uvicorn has no public way to put code between a socket and its HTTP protocol (its protocol classes are
-not its public API), so the bound is a front of our own: :func:`serve_until` accepts the clients'
-connections on the listening socket, and each gets a gate (:class:`BoundedHttp`) that hands its bytes on,
-over a Unix socket, to uvicorn (``http="httptools"``) serving the app on that Unix socket, and hands
-uvicorn's answers back. The gate frames the byte stream with a parser of its own (httptools, with the
-leniency uvicorn sets on its own, so both see the same requests) and, per request:
+So each connection gets a gate in front of uvicorn's httptools protocol (:class:`BoundedHttp`). The gate
+frames the byte stream with a parser of its own (httptools, the same parser and leniencies uvicorn's
+protocol uses, so both see the same requests) and, per request:
 
 - a head over ``HTTP_MAX_HEADER_BYTES`` is answered 431 and the connection closed, before the excess
   reaches uvicorn's parser;
@@ -22,23 +19,23 @@ leniency uvicorn sets on its own, so both see the same requests) and, per reques
   incomplete, a plain close once the application is reading its body (the application then sees the
   client as disconnected).
 
-Everything else (parsing for the application, keep-alive, graceful shutdown) is uvicorn's, unchanged;
-flow control is passed through (a side that cannot keep up pauses reading on the other). Time spent
-processing a request or sending its response is not bounded here.
+Everything else (parsing for the application, keep-alive, flow control, graceful shutdown) is uvicorn's
+protocol, unchanged. Time spent processing a request or sending its response is not bounded here.
 
-What the front costs, against the gate that wrapped uvicorn's (internal) protocol class in the same
-process: a second hop per request over a Unix socket (two more reads and writes each way), measured with
-bench/coordinator.py (HttpCoordinator against ``consumer-kit coordinator serve``); and uvicorn's log and
-``request.client`` see the Unix socket, not the client's address (the gate logs that address itself).
+Only uvicorn's public surface is used. ``uvicorn.Config(http=...)`` takes a protocol class, and
+:class:`BoundedConfig` lets ``Config.load()`` resolve uvicorn's own httptools class as it always does,
+then hands uvicorn a gate class in its place (``Config.http_protocol_class``, the class uvicorn's server
+makes each connection's protocol with). The gate holds uvicorn's protocol rather than subclassing it,
+and speaks to it only through ``asyncio.Protocol``'s methods: no internal module of uvicorn is imported
+and no attribute of its protocol is touched. ``tests/acceptance/test_server_bounds.py`` fails at once if
+uvicorn stops making its protocols from that class (the 431 and 408 answers would not come).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import socket
-import tempfile
 from typing import Any, cast
 
 import httptools
@@ -66,12 +63,17 @@ _TIMED_OUT = _refusal(408, "Request Timeout", "request_timeout")
 
 
 class BoundedHttp(asyncio.Protocol):
-    """One client connection: its bytes go through the gate (see the module docstring) to a connection of
-    its own to uvicorn on ``upstream`` (a Unix socket path), and uvicorn's answers come back."""
+    """uvicorn's httptools protocol behind a gate that bounds each request's head size and the time it
+    takes to arrive (see the module docstring). :func:`bounded_http` makes one with given bounds."""
 
-    def __init__(self, upstream: str, max_header_bytes: int, request_seconds: float) -> None:
-        self.max_header_bytes, self.request_seconds = max_header_bytes, request_seconds
-        self._upstream_path = upstream
+    inner: type[asyncio.Protocol]  # the protocol class uvicorn resolved for http="httptools"
+    max_header_bytes = 16_384
+    request_seconds = 30.0
+
+    def __init__(self, **kwargs: Any) -> None:
+        # kwargs are what uvicorn hands its protocol class (config, server_state, app_state, ...): passed
+        # on as they are, so that the gate depends on none of them.
+        self._inner = self.inner(**kwargs)
         self._loop = asyncio.get_running_loop()
         self._parser: httptools.HttpRequestParser | None = httptools.HttpRequestParser(_Framing(self))
         try:  # as uvicorn's protocol does, so that both parsers accept the same bytes
@@ -79,9 +81,6 @@ class BoundedHttp(asyncio.Protocol):
         except AttributeError:  # pragma: no cover (httptools < 0.6.3, like uvicorn)
             pass
         self._transport: asyncio.Transport | None = None
-        self._upstream: asyncio.Transport | None = None
-        self._pending: list[bytes] | None = []  # what arrived before the upstream connection was made
-        self._connecting: asyncio.Task[None] | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._refused = False
         self._upgraded = False
@@ -91,26 +90,12 @@ class BoundedHttp(asyncio.Protocol):
         self._whole_chunks = 0  # bytes of the reads that fell wholly inside the current head
         self.oversized = False
 
-    # asyncio.Protocol, the client's side
+    # asyncio.Protocol
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self._transport = cast(asyncio.Transport, transport)  # uvloop's is not an asyncio.Transport subclass
+        self._transport = cast(asyncio.Transport, transport)
         self._arm()  # a connection that never sends a request is closed too
-        self._connecting = self._loop.create_task(self._connect())
-
-    async def _connect(self) -> None:
-        try:
-            upstream, _ = await self._loop.create_unix_connection(lambda: _Upstream(self), self._upstream_path)
-        except OSError:  # uvicorn stopped listening (shutting down): as if this server had
-            self._close()
-            return
-        if self._transport is None or self._transport.is_closing() or self._refused:
-            upstream.close()
-            return
-        self._upstream = upstream
-        pending, self._pending = self._pending or [], None
-        if pending:
-            upstream.write(b"".join(pending))
+        self._inner.connection_made(self._transport)
 
     def data_received(self, data: bytes) -> None:
         if self._refused or self._upgraded:
@@ -132,51 +117,21 @@ class BoundedHttp(asyncio.Protocol):
             if self.oversized or (self.in_head and self._whole_chunks > self.max_header_bytes):
                 self._refuse("request_header_too_large", _HEAD_TOO_LARGE)
                 return
-        if self._upstream is not None:
-            self._upstream.write(data)
-        elif self._pending is not None:
-            self._pending.append(data)
+        self._inner.data_received(data)
 
     def eof_received(self) -> None:
-        # As uvicorn's own protocol: a client that half-closes is closed (returning None closes us).
-        if self._upstream is not None:
-            self._upstream.close()
+        self._inner.eof_received()  # returns None: the transport closes (after a refusal too)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
         self._parser = None
-        self._transport = None
-        if self._connecting is not None and not self._connecting.done():
-            self._connecting.cancel()
-        if self._upstream is not None:
-            self._upstream.close()  # uvicorn sees the client disconnect (the application too)
+        self._inner.connection_lost(exc)
 
-    def pause_writing(self) -> None:  # the client reads slower than uvicorn answers
-        if self._upstream is not None:
-            self._upstream.pause_reading()
+    def pause_writing(self) -> None:
+        self._inner.pause_writing()
 
     def resume_writing(self) -> None:
-        if self._upstream is not None and not self._upstream.is_closing():
-            self._upstream.resume_reading()
-
-    # uvicorn's side (from _Upstream)
-
-    def upstream_data(self, data: bytes) -> None:
-        if self._transport is not None and not self._refused:
-            self._transport.write(data)
-
-    def upstream_paused(self, paused: bool) -> None:  # uvicorn reads slower than the client sends
-        if self._transport is not None and not self._transport.is_closing():
-            (self._transport.pause_reading if paused else self._transport.resume_reading)()
-
-    def upstream_closed(self) -> None:
-        self._upstream = None
-        if not self._refused:  # after a refusal the linger closes us
-            self._close()
-
-    def _close(self) -> None:
-        if self._transport is not None:
-            self._transport.close()  # what is written still goes out first
+        self._inner.resume_writing()
 
     # The gate
 
@@ -223,8 +178,6 @@ class BoundedHttp(asyncio.Protocol):
         self._count(reason)
         self._refused = True
         self._disarm()
-        if self._upstream is not None:
-            self._upstream.close()
         transport.write(answer)
         if transport.can_write_eof():
             transport.write_eof()
@@ -234,28 +187,6 @@ class BoundedHttp(asyncio.Protocol):
         metrics.HTTP_CUT_OFF.labels(reason).inc()
         peer = self._transport.get_extra_info("peername") if self._transport is not None else None
         log.info("closed an HTTP connection from %s: %s", peer[0] if peer else "?", reason)
-
-
-class _Upstream(asyncio.Protocol):
-    """The gate's connection to uvicorn."""
-
-    def __init__(self, gate: BoundedHttp) -> None:
-        self._gate = gate
-
-    def data_received(self, data: bytes) -> None:
-        self._gate.upstream_data(data)
-
-    def eof_received(self) -> None:
-        return None  # the transport closes: connection_lost follows
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._gate.upstream_closed()
-
-    def pause_writing(self) -> None:
-        self._gate.upstream_paused(True)
-
-    def resume_writing(self) -> None:
-        self._gate.upstream_paused(False)
 
 
 class _Framing:
@@ -288,21 +219,32 @@ class _Framing:
             gate.oversized = True
 
 
+def bounded_http(inner: type[asyncio.Protocol], max_header_bytes: int, request_seconds: float) -> type[BoundedHttp]:
+    """A :class:`BoundedHttp` class in front of ``inner`` (uvicorn's protocol class), with these bounds."""
+    return cast(type[BoundedHttp], type("BoundedHttp", (BoundedHttp,), {
+        "inner": inner, "max_header_bytes": max_header_bytes, "request_seconds": request_seconds}))
+
+
 class BoundedConfig(uvicorn.Config):
-    """``uvicorn.Config`` with the request bounds :func:`serve_until` puts in front of uvicorn."""
+    """``uvicorn.Config`` (``http="httptools"``) whose connections go through the gate: once uvicorn's
+    :meth:`load` has resolved its protocol class, the gate's class takes its place."""
 
     def __init__(self, app: Any, *, max_header_bytes: int, request_seconds: float, **options: Any) -> None:
-        super().__init__(app, **options)
+        super().__init__(app, http="httptools", **options)
         self.max_header_bytes, self.request_seconds = max_header_bytes, request_seconds
+
+    def load(self) -> None:
+        """uvicorn's own loading, then the gate in front of the protocol class it chose."""
+        super().load()
+        self.http_protocol_class = bounded_http(self.http_protocol_class, self.max_header_bytes,
+                                                self.request_seconds)
 
 
 def server_config(app: Any, settings: Settings, *, host: str, port: int, **options: Any) -> uvicorn.Config:
     """uvicorn's configuration for one of our servers: ``app`` on ``host:port`` behind the bounds of
-    ``settings`` (``HTTP_MAX_HEADER_BYTES``, ``HTTP_REQUEST_TIMEOUT_SECONDS``), applied when it is run by
-    :func:`serve_until`; without WebSockets (none of our servers speaks them); ``options`` go to
-    ``uvicorn.Config`` as they are."""
-    return BoundedConfig(app, host=host, port=port, http="httptools", ws="none",
-                         max_header_bytes=settings.http_max_header_bytes,
+    ``settings`` (``HTTP_MAX_HEADER_BYTES``, ``HTTP_REQUEST_TIMEOUT_SECONDS``), without WebSockets
+    (none of our servers speaks them); ``options`` go to ``uvicorn.Config`` as they are."""
+    return BoundedConfig(app, host=host, port=port, ws="none", max_header_bytes=settings.http_max_header_bytes,
                          request_seconds=settings.http_request_timeout_seconds, **options)
 
 
@@ -331,51 +273,14 @@ def listen(host: str, port: int) -> socket.socket:
 async def serve_until(server: uvicorn.Server, stop: asyncio.Event, sock: socket.socket | None = None) -> None:
     """Run ``server`` until it stops by itself (uvicorn takes SIGTERM and SIGINT while it runs) or
     ``stop`` is set; either way it stops gracefully (stop accepting, finish the requests in flight).
-    ``sock``: a socket from :func:`listen` to serve on (uvicorn then does not bind one itself). A server
-    configured by :func:`server_config` is served behind its bounds (see the module docstring)."""
-    config = server.config
-    if isinstance(config, BoundedConfig):
-        if sock is None:
-            sock = listen(config.host, config.port)
-        with tempfile.TemporaryDirectory(prefix="consumer-kit-http-") as folder:
-            await _serve_bounded(server, config, stop, sock, os.path.join(folder, "uvicorn.sock"))
-        return
-    await _serve(server, stop, sock)
-
-
-async def _serve_bounded(server: uvicorn.Server, config: BoundedConfig, stop: asyncio.Event,
-                         sock: socket.socket, path: str) -> None:
-    inner = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        inner.bind(path)
-        # Listening before uvicorn starts: a client accepted meanwhile waits in this backlog, as it
-        # would in the listening socket's, until uvicorn serves.
-        inner.listen(config.backlog)
-        front = await asyncio.get_running_loop().create_server(
-            lambda: BoundedHttp(path, config.max_header_bytes, config.request_seconds), sock=sock,
-            backlog=config.backlog)
-    except BaseException:
-        inner.close()
-        raise
-    try:
-        await _serve(server, stop, inner, front=front, shown=sock)
-    finally:
-        front.close()
-        inner.close()
-
-
-async def _serve(server: uvicorn.Server, stop: asyncio.Event, sock: socket.socket | None,
-                 front: asyncio.Server | None = None, shown: socket.socket | None = None) -> None:
-    shown = shown or sock
-    if shown is not None:
-        host, port = shown.getsockname()[:2]
+    ``sock``: a socket from :func:`listen` to serve on (uvicorn then does not bind one itself)."""
+    if sock is not None:
+        host, port = sock.getsockname()[:2]
         log.info("serving http://%s:%d", f"[{host}]" if ":" in host else host, port)
     serving = asyncio.ensure_future(server.serve(sockets=[sock] if sock is not None else None))
     stopping = asyncio.ensure_future(stop.wait())
     try:
         await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)
-        if front is not None:
-            front.close()  # stop accepting; the connections open finish with uvicorn's
         server.should_exit = True
         await serving
     finally:
