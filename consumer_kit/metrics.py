@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from bisect import bisect_left
 from collections.abc import Iterator, Sequence
@@ -9,8 +10,7 @@ from collections.abc import Iterator, Sequence
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
-from prometheus_client.samples import Sample
-from prometheus_client.utils import INF, floatToGoString
+from prometheus_client.utils import floatToGoString  # the library's own `le` format, so that ours match it
 
 DEAD_LETTERS = Counter(
     "consumer_kit_dead_letters_total", "Deliveries parked, by source and reason.", ["source", "reason"]
@@ -60,10 +60,10 @@ OUTBOX_FAILURES = Counter("consumer_kit_outbox_publish_failures_total", "Outbox 
 _DELIVERIES = ("consumer_kit_deliveries", "Deliveries by source and outcome.")
 _HANDLER_SECONDS = ("consumer_kit_handler_duration_seconds",
                     "Time from claim to settlement decision for deliveries that ran the handler.")
-_HANDLER_BUCKETS = (.005, .01, .025, .05, .075, .1, .25, .5, .75, 1.0, 2.5, 5.0, 7.5, 10.0, INF)  # the library's
+_HANDLER_BUCKETS = (.005, .01, .025, .05, .075, .1, .25, .5, .75, 1.0, 2.5, 5.0, 7.5, 10.0, math.inf)  # the library's
 _DELIVERY_AGE = ("consumer_kit_delivery_age_seconds",
                  "Age of a delivery when it arrived, from its source's own send time (where the source has one).")
-_AGE_BUCKETS = (0.1, 1, 10, 60, 600, 3600, 21600, 86400, 259200, 604800, 2592000, INF)
+_AGE_BUCKETS = (0.1, 1, 10, 60, 600, 3600, 21600, 86400, 259200, 604800, 2592000, math.inf)
 
 
 class Buckets:
@@ -92,7 +92,7 @@ class Buckets:
             cumulative += count
             buckets.append((le, float(cumulative)))
         family.add_metric([source], buckets, total)
-        family.samples.append(Sample(f"{family.name}_created", {"source": source}, self.created))
+        family.add_sample(f"{family.name}_created", {"source": source}, self.created)
 
 
 class SourceMetrics:

@@ -38,9 +38,8 @@ from datetime import UTC, datetime
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
-from sqlalchemy import bindparam, text
+from sqlalchemy import TextClause, bindparam, text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
-from sqlalchemy.sql.elements import TextClause
 
 from consumer_kit.store.database import DEFERRED
 from consumer_kit.store.sql import SQLALCHEMY_TYPES, TYPES, Statement
