@@ -65,32 +65,33 @@ def _error(status: int, code: str) -> JSONResponse:
     return JSONResponse({"error": code}, status_code=status)
 
 
-def create_app(coordinator: EmbeddedCoordinator, tokens: dict[str, tuple[str, str]], *,
-               sweep_interval: float | None = None) -> Starlette:
-    """The ASGI app. ``tokens`` maps bearer -> (tenant, application); ``sweep_interval`` runs the
-    retention cleaner in the background while the app is up."""
-    limit = coordinator.settings.coordinator_body_limit_bytes
-    # Tokens are looked up by their SHA-256, so the lookup's timing says nothing about a token's bytes.
-    by_digest = {hashlib.sha256(t.encode()).digest(): coordinator.scoped(*scope) for t, scope in tokens.items()}
+class _Endpoints:
+    """The coordinator's endpoints, for the bearers of ``tokens`` (bearer -> (tenant, application))."""
 
-    def authenticate(request: Request) -> EmbeddedCoordinator | None:
+    def __init__(self, coordinator: EmbeddedCoordinator, tokens: dict[str, tuple[str, str]]) -> None:
+        self.limit = coordinator.settings.coordinator_body_limit_bytes
+        # Tokens are looked up by their SHA-256, so the lookup's timing says nothing about a token's bytes.
+        self.by_digest = {hashlib.sha256(t.encode()).digest(): coordinator.scoped(*scope)
+                          for t, scope in tokens.items()}
+
+    def authenticate(self, request: Request) -> EmbeddedCoordinator | None:
         credentials = request.headers.getlist("authorization")
         if len(credentials) != 1:  # none, or two to choose from: we never pick one
             return None
         scheme, _, token = credentials[0].partition(" ")
         if scheme.lower() != "bearer" or not token:
             return None
-        return by_digest.get(hashlib.sha256(token.strip().encode()).digest())
+        return self.by_digest.get(hashlib.sha256(token.strip().encode()).digest())
 
-    async def read_json(request: Request) -> Any:
+    async def read_json(self, request: Request) -> Any:
         declared = request.headers.get("content-length")
-        if declared is not None and (not declared.isdigit() or int(declared) > limit):
+        if declared is not None and (not declared.isdigit() or int(declared) > self.limit):
             raise _TooLarge()
         chunks: list[bytes] = []
         size = 0
         async for chunk in request.stream():
             size += len(chunk)
-            if size > limit:
+            if size > self.limit:
                 raise _TooLarge()
             chunks.append(chunk)
         try:
@@ -101,8 +102,8 @@ def create_app(coordinator: EmbeddedCoordinator, tokens: dict[str, tuple[str, st
             raise ValueError("nested too deeply")
         return payload
 
-    async def create(request: Request, operation: str) -> Response:
-        scoped = authenticate(request)
+    async def create(self, request: Request, operation: str) -> Response:
+        scoped = self.authenticate(request)
         if scoped is None:
             return _error(401, "unauthorized")
         keys = request.headers.getlist("idempotency-key")
@@ -118,7 +119,7 @@ def create_app(coordinator: EmbeddedCoordinator, tokens: dict[str, tuple[str, st
                 metrics.REQUESTS.labels("invalid").inc()
                 return _error(400, "invalid_idempotency_key")
         try:
-            payload = await read_json(request)
+            payload = await self.read_json(request)
         except _TooLarge:
             return _error(413, "body_too_large")
         except ValueError:
@@ -148,14 +149,14 @@ def create_app(coordinator: EmbeddedCoordinator, tokens: dict[str, tuple[str, st
         headers = {"Idempotency-Replayed": "true"} if replayed else {}
         return JSONResponse(body, status_code=201, headers=headers)
 
-    async def sessions(request: Request) -> Response:
-        return await create(request, "session")
+    async def sessions(self, request: Request) -> Response:
+        return await self.create(request, "session")
 
-    async def delegations(request: Request) -> Response:
-        return await create(request, "delegation")
+    async def delegations(self, request: Request) -> Response:
+        return await self.create(request, "delegation")
 
-    async def finish(request: Request) -> Response:
-        scoped = authenticate(request)
+    async def finish(self, request: Request) -> Response:
+        scoped = self.authenticate(request)
         if scoped is None:
             return _error(401, "unauthorized")
         session_id = request.path_params["session_id"]
@@ -169,6 +170,13 @@ def create_app(coordinator: EmbeddedCoordinator, tokens: dict[str, tuple[str, st
         except CoordinatorRejected as exc:
             return _error(exc.status or 400, exc.code)
         return Response(status_code=204)
+
+
+def create_app(coordinator: EmbeddedCoordinator, tokens: dict[str, tuple[str, str]], *,
+               sweep_interval: float | None = None) -> Starlette:
+    """The ASGI app. ``tokens`` maps bearer -> (tenant, application); ``sweep_interval`` runs the
+    retention cleaner in the background while the app is up."""
+    endpoints = _Endpoints(coordinator, tokens)
 
     async def metrics_endpoint(_request: Request) -> Response:
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
@@ -188,9 +196,9 @@ def create_app(coordinator: EmbeddedCoordinator, tokens: dict[str, tuple[str, st
 
     return Starlette(
         routes=[
-            Route("/v1/sessions", sessions, methods=["POST"]),
-            Route("/v1/delegations", delegations, methods=["POST"]),
-            Route("/v1/sessions/{session_id}/{action}", finish, methods=["POST"]),
+            Route("/v1/sessions", endpoints.sessions, methods=["POST"]),
+            Route("/v1/delegations", endpoints.delegations, methods=["POST"]),
+            Route("/v1/sessions/{session_id}/{action}", endpoints.finish, methods=["POST"]),
             Route("/metrics", metrics_endpoint, methods=["GET"]),
             Route("/healthz", healthz, methods=["GET"]),
         ],
