@@ -121,7 +121,9 @@ class KeepAliveTransport(httpx.AsyncBaseTransport):
         if self._slots is not None:
             self._slots.release()
 
-    async def _give_back(self, key: _Key, connection: httpcore.AsyncHTTPConnection) -> None:
+    async def give_back(self, key: _Key, connection: httpcore.AsyncHTTPConnection) -> None:
+        """A response read to its end: its connection back among the idle ones (closed if it cannot serve
+        another request), and its slot free."""
         if connection.is_available() and not self._closed:
             self._idle.setdefault(key, []).append(connection)
         else:
@@ -167,7 +169,7 @@ class _Returning(httpx.AsyncByteStream):
         except Exception as exc:
             _raise_mapped(exc)
         finally:
-            await self._transport._give_back(self._key, self._connection)
+            await self._transport.give_back(self._key, self._connection)
 
 
 class _CoalescingBackend(httpcore.AsyncNetworkBackend):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ast
 import os
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -187,3 +188,40 @@ def test_modules_and_functions_are_of_a_size_to_read() -> None:
                 if length > MAX_FUNCTION_LINES and "kept whole" not in (ast.get_docstring(node) or "").lower():
                     too_long.append(f"{name}.{node.name} (line {node.lineno}): {length} lines")
     assert not too_long, "\n".join(too_long)
+
+
+def _third_party(module: str) -> bool:
+    top = module.split(".")[0]
+    return top not in ("consumer_kit", "__future__") and top not in sys.stdlib_module_names
+
+
+INTERNAL_MODULES = ("uvicorn.protocols", "moto.moto_server", "moto.core.utils")
+"""Modules of dependencies that are their implementation, not their API, though not named with a ``_``."""
+
+
+def test_no_private_name_of_another_object_or_library() -> None:
+    # A dependency's private attribute skips its own error handling and changes without notice: nothing
+    # in the package reads or replaces another object's ``_name`` (its own, on self or cls, only), nor
+    # imports a dependency's private or internal module or name.
+    found = []
+    for name, path in modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+                owner = node.value
+                if isinstance(owner, ast.Name) and owner.id in ("self", "cls"):
+                    continue
+                if isinstance(owner, ast.Call) and isinstance(owner.func, ast.Name) and owner.func.id == "super":
+                    continue
+                found.append(f"{name}:{node.lineno}: {ast.unparse(node)}")
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module and _third_party(node.module):
+                private = [a.name for a in node.names if a.name.startswith("_")]
+                if private or any(part.startswith("_") for part in node.module.split(".")) \
+                        or _under(node.module, *INTERNAL_MODULES):
+                    names = ", ".join(a.name for a in node.names)
+                    found.append(f"{name}:{node.lineno}: from {node.module} import {names}")
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    if _third_party(alias.name) and (any(p.startswith("_") for p in alias.name.split("."))
+                                                     or _under(alias.name, *INTERNAL_MODULES)):
+                        found.append(f"{name}:{node.lineno}: import {alias.name}")
+    assert not found, "\n".join(found)
