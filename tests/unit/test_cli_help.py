@@ -36,3 +36,13 @@ def test_log_level_is_taken_after_the_command_too() -> None:
     assert build_parser().parse_args(["parked", "list", "--log-level", "debug"]).log_level == "DEBUG"
     assert build_parser().parse_args(["--log-level", "error", "db", "check"]).log_level == "ERROR"
     assert not hasattr(build_parser().parse_args(["db", "check"]), "log_level")  # then LOG_LEVEL, else INFO
+
+
+def test_every_command_runs_a_function() -> None:
+    # A sub-command's func is what main() calls: a parser named like its function once shadowed one.
+    leaves = [p for p in parsers(build_parser())
+              if not any(isinstance(a, argparse._SubParsersAction) for a in p._actions)]
+    assert len(leaves) > 10
+    for parser in leaves:
+        func = parser.get_default("func")
+        assert callable(func) and not isinstance(func, argparse.ArgumentParser), parser.prog
