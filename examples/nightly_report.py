@@ -31,7 +31,7 @@ from sqlalchemy import Column, Date, DateTime, Integer, MetaData, String, Table,
 
 from consumer_kit import ConsumerApp, Context, Settings
 from consumer_kit.sources.schedules import Schedule, ScheduleDelivery
-from consumer_kit.store import create_engine
+from examples import create_tables
 
 BERLIN = ZoneInfo("Europe/Berlin")
 
@@ -82,12 +82,7 @@ async def nightly_report(ctx: Context) -> None:
 
 async def init() -> None:
     """Create the example's tables (the framework's own come from ``consumer-kit db upgrade``)."""
-    engine = create_engine(settings.database_url)
-    try:
-        async with engine.begin() as conn:
-            await conn.run_sync(metadata.create_all)
-    finally:
-        await engine.dispose()
+    await create_tables(settings, metadata)
 
 
 if __name__ == "__main__":

@@ -11,8 +11,7 @@ from typing import Any
 
 from sqlalchemy import Column, Integer, MetaData, String, Table
 
-from consumer_kit import Context, Settings
-from consumer_kit.store import create_engine
+from consumer_kit import Context
 
 
 def orders_table(name: str, metadata: MetaData) -> Table:
@@ -34,16 +33,6 @@ async def record(ctx: Context, orders: Table) -> dict[str, Any]:
     await ctx.db.execute(orders.insert().values(
         order_ref=order["order"], amount=int(order["amount"]), key_digest=ctx.key_digest))
     return {"type": "order.recorded", "order": order["order"], "amount": order["amount"]}
-
-
-async def create_tables(settings: Settings, metadata: MetaData) -> None:
-    """Create the example's tables (consumer-kit's own come from ``consumer-kit db upgrade``)."""
-    engine = create_engine(settings.database_url)
-    try:
-        async with engine.begin() as conn:
-            await conn.run_sync(metadata.create_all)
-    finally:
-        await engine.dispose()
 
 
 def main(module: str, init: Callable[[], Awaitable[None]]) -> None:

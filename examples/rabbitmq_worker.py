@@ -24,7 +24,8 @@ from sqlalchemy import MetaData
 
 from consumer_kit import ConsumerApp, Context, Settings
 from consumer_kit.sources.rabbitmq import AmqpPublisher, RabbitMQSource
-from examples.orders import create_tables, main, orders_table, record
+from examples import create_tables
+from examples.orders import main, orders_table, record
 
 ORDERS_QUEUE = os.environ.get("ORDERS_QUEUE", "orders")
 EVENTS_QUEUE = os.environ.get("EVENTS_QUEUE", f"{ORDERS_QUEUE}.events")

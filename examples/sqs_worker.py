@@ -31,7 +31,8 @@ from sqlalchemy import MetaData
 
 from consumer_kit import ConsumerApp, Context, Settings
 from consumer_kit.sources.sqs import SqsPublisher, SQSSource
-from examples.orders import create_tables, main, orders_table, record
+from examples import create_tables
+from examples.orders import main, orders_table, record
 
 ORDERS_TOPIC = os.environ.get("ORDERS_TOPIC", "orders")
 ORDERS_QUEUE = os.environ.get("ORDERS_QUEUE", "orders")

@@ -40,7 +40,7 @@ from consumer_kit import ConsumerApp, Context, Settings
 from consumer_kit.settings import local_secret
 from consumer_kit.sources.schedules import Schedule, ScheduleDelivery
 from consumer_kit.sources.webhooks import HmacVerifier, WebhookSource
-from consumer_kit.store import create_engine
+from examples import create_tables
 
 log = logging.getLogger("examples.starter")
 
@@ -109,12 +109,7 @@ def signed_curl(body: str, port: int, host: str = "127.0.0.1") -> str:
 
 async def init() -> None:
     """Create the example's tables (consumer-kit's own come from the migrations)."""
-    engine = create_engine(settings.database_url)
-    try:
-        async with engine.begin() as conn:
-            await conn.run_sync(metadata.create_all)
-    finally:
-        await engine.dispose()
+    await create_tables(settings, metadata)
 
 
 def main(argv: list[str]) -> int:
