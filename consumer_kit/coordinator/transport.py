@@ -109,10 +109,13 @@ class KeepAliveTransport(httpx.AsyncBaseTransport):
                     network_backend=_COALESCING)
             response = await connection.handle_async_request(core_request)
         except BaseException as exc:
-            # A connection in doubt (an error, a cancellation mid-request) is closed, never pooled.
-            if connection is not None:
-                await connection.aclose()
-            self._release()
+            # A connection in doubt (an error, a cancellation mid-request) is closed, never pooled; its
+            # slot is freed even if that close is itself cancelled.
+            try:
+                if connection is not None:
+                    await connection.aclose()
+            finally:
+                self._release()
             _raise_mapped(exc)
         return httpx.Response(status_code=response.status, headers=response.headers,
                               stream=_Returning(self, key, connection, response), extensions=response.extensions)
@@ -124,11 +127,13 @@ class KeepAliveTransport(httpx.AsyncBaseTransport):
     async def give_back(self, key: _Key, connection: httpcore.AsyncHTTPConnection) -> None:
         """A response read to its end: its connection back among the idle ones (closed if it cannot serve
         another request), and its slot free."""
-        if connection.is_available() and not self._closed:
-            self._idle.setdefault(key, []).append(connection)
-        else:
-            await connection.aclose()
-        self._release()
+        try:
+            if connection.is_available() and not self._closed:
+                self._idle.setdefault(key, []).append(connection)
+            else:
+                await connection.aclose()
+        finally:
+            self._release()  # even when the close is cancelled: a lost slot would shrink the pool for good
 
     async def aclose(self) -> None:
         """Close the idle connections; a response still open closes its own when it is closed."""
