@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PORT ?= 8000
 
-.PHONY: run demo test bench lint install clean
+.PHONY: run demo test bench lint docs install clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -30,9 +30,14 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m bench
 
+# The documentation site from docs/ into site/; --strict turns every warning (a broken link, a page
+# missing from the navigation) into a failure.
+docs: $(STAMP)
+	$(VENV)/bin/mkdocs build --strict --site-dir site
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check consumer_kit sources tests bench examples
 	$(VENV)/bin/mypy
 
 clean:
-	rm -rf $(VENV) *.egg-info consumer-kit.db consumer-kit.db-* consumer-kit.db.hmac-key consumer-kit.db.webhook-secret
+	rm -rf $(VENV) site *.egg-info consumer-kit.db consumer-kit.db-* consumer-kit.db.hmac-key consumer-kit.db.webhook-secret
