@@ -1,16 +1,25 @@
-"""Prometheus collectors. Labels carry source names, outcomes and reason codes: never a key."""
+"""Prometheus collectors. Labels carry source names, outcomes and reason codes: never a key.
+
+A labelled series exists only once it is first counted, and Prometheus' ``increase()`` needs two samples
+of a series to see it grow: a series born at 1 shows no increase, so its first event fires no alert.
+:func:`declare` therefore makes, when the app starts, every series a worker can name then, at zero.
+"""
 
 from __future__ import annotations
 
 import math
 import time
 from bisect import bisect_left
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Protocol, runtime_checkable
 
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString  # the library's own `le` format, so that ours match it
+
+from consumer_kit.delivery import Outcome, Source
+from consumer_kit.errors import TerminalError
 
 DEAD_LETTERS = Counter(
     "consumer_kit_dead_letters_total", "Deliveries parked, by source and reason.", ["source", "reason"]
@@ -108,6 +117,13 @@ class SourceMetrics:
         self.outcomes: dict[str, int] = {}
         self.created: dict[str, float] = {}
 
+    def declare(self, outcomes: Iterable[str]) -> None:
+        """Export ``outcomes`` from now on, at zero until counted (a count already made is kept)."""
+        for outcome in outcomes:
+            if outcome not in self.outcomes:
+                self.created[outcome] = time.time()
+                self.outcomes[outcome] = 0
+
     def delivered(self, outcome: str) -> None:
         """Count one delivery with ``outcome``."""
         outcomes = self.outcomes
@@ -148,3 +164,61 @@ def for_source(source: str) -> SourceMetrics:
     if counted is None:
         counted = PER_DELIVERY.sources[source] = SourceMetrics(source)
     return counted
+
+
+# The label values a worker can name when it starts (see declare). The reasons the pipeline parks with
+# by name; the others are the ``reason`` of each TerminalError class (park_reasons). A unit test reads the
+# code for every reason it parks with and finds each here or on an error class.
+PIPELINE_PARK_REASONS = ("arrived_after_retention", "conflict", "handler_misconfigured", "invalid_session_request",
+                         "retries_exhausted")
+LATE_ACTIONS = ("parked", "processed")
+# Outcome's values, and what a batch's delivery counts when the loop closes under it.
+OUTCOMES = (*(outcome.value for outcome in Outcome), "cancelled")
+SWEPT_TABLES = ("inbox",)
+# Why our HTTP server closes a connection (consumer_kit.http.server): every worker with a port has one.
+CUT_OFF_REASONS = ("request_header_too_large", "request_timeout")
+
+
+@runtime_checkable
+class DeclaresMetrics(Protocol):
+    """A source with series of its own (an SQS source's settlements, a schedule's skipped ticks): it
+    makes each of them, at zero, when :func:`declare` asks."""
+
+    def declare_metrics(self) -> None:
+        """Make every series of this source that can be named now, at zero."""
+
+
+def park_reasons() -> list[str]:
+    """Every reason a delivery can be parked with that is known now: the pipeline's own, and the
+    ``reason`` of :class:`~consumer_kit.errors.TerminalError` and of each of its subclasses imported
+    so far (the sources' and the app's own included). A reason a handler passes only as
+    ``TerminalError(reason=...)`` is not known before its first park."""
+    found, classes = set(PIPELINE_PARK_REASONS), [TerminalError]
+    while classes:
+        error = classes.pop()
+        if isinstance(error.reason, str):
+            found.add(error.reason)
+        classes.extend(error.__subclasses__())
+    return sorted(found)
+
+
+def declare(sources: Iterable[Source]) -> None:
+    """Make every series of these sources that can be named now, at zero, so that ``increase()`` sees
+    the first parked delivery, takeover, late delivery or skipped tick; the app calls it as it starts.
+    Counts already made are kept, so calling it again is harmless."""
+    reasons = park_reasons()
+    for table in SWEPT_TABLES:
+        SWEPT.labels(table)
+        SWEEP_FAILURES.labels(table)
+    for cut_off in CUT_OFF_REASONS:
+        HTTP_CUT_OFF.labels(cut_off)
+    for source in sources:
+        name = source.name
+        for_source(name).declare(OUTCOMES)
+        LEASE_TAKEOVERS.labels(name)
+        for reason in reasons:
+            DEAD_LETTERS.labels(name, reason)
+        for action in LATE_ACTIONS:
+            LATE_DELIVERIES.labels(name, action)
+        if isinstance(source, DeclaresMetrics):
+            source.declare_metrics()
