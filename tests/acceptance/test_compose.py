@@ -170,8 +170,20 @@ def test_prometheus_scrapes_every_metrics_endpoint() -> None:
                for target in group["targets"]}
     expected = {f"{name}:{port}" for name in OURS if (listening := served(name)) for port in [listening[0]]}
     assert targets == expected
-    assert config["rule_files"] == ["/etc/prometheus/alerts.yml"]
-    assert "./deploy/prometheus:/etc/prometheus:ro" in SERVICES["prometheus"]["volumes"]
+
+
+def test_prometheus_finds_its_rules_beside_its_config_here_and_in_the_container() -> None:
+    # Prometheus and promtool read a relative rule path from the config file's folder: the same
+    # alerts.yml in the repository and in the container, where the folder is mounted whole.
+    config = yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yml").read_text())
+    assert config["rule_files"] == ["alerts.yml"]
+    assert (ROOT / "deploy/prometheus/alerts.yml").is_file()
+    service = SERVICES["prometheus"]
+    mounts = {volume.split(":")[1]: volume.split(":")[0] for volume in service["volumes"]}
+    config_file = next(flag.split("=", 1)[1] for flag in service["command"] if flag.startswith("--config.file="))
+    folder, name = config_file.rsplit("/", 1)
+    assert (mounts[folder], name) == ("./deploy/prometheus", "prometheus.yml")
+    assert "./deploy/prometheus:/etc/prometheus:ro" in service["volumes"]
 
 
 PROMQL_WORDS = {"sum", "min", "max", "avg", "count", "rate", "increase", "irate", "histogram_quantile", "by",
