@@ -7,7 +7,7 @@ import asyncio
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import TypeVar
+from typing import TypeVar, get_args
 
 from consumer_kit.delivery import Delivery, Dispatch, Outcome, Result
 from consumer_kit.errors import ConfigurationError, InvalidKey, MissingStableId
@@ -15,9 +15,10 @@ from consumer_kit.keys import OperationKey
 from consumer_kit.settings import Settings
 from consumer_kit.source_store import Inbox, PendingTick, ScheduleId, ScheduleStore, SourceStore, TickRecord
 from consumer_kit.sources.schedules import timing
-from consumer_kit.sources.schedules.catchup import CatchUp, Overlap
+from consumer_kit.sources.schedules.catchup import CatchUp, Overlap, SkipReason
 from consumer_kit.sources.schedules.clock import DatabaseClock, ScheduleClock
 from consumer_kit.sources.schedules.message import ScheduleDelivery, tick_delivery, tick_of
+from consumer_kit.sources.schedules.metrics import SKIPPED
 from consumer_kit.sources.schedules.runner import Runner
 from consumer_kit.tracing import SpanShape
 
@@ -96,6 +97,11 @@ class Schedule:
         self._sid: ScheduleId | None = None
         self._settings: Settings | None = None
         self._runner: Runner | None = None
+
+    def declare_metrics(self) -> None:
+        """This schedule's skipped ticks, by every reason, at zero until counted (see consumer_kit.metrics)."""
+        for reason in get_args(SkipReason):
+            SKIPPED.labels(self.name, reason)
 
     def key(self, delivery: Delivery) -> OperationKey:
         """``<name>:v<version>:<tick>``: the intended fire instant, never the time it ran."""

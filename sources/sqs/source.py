@@ -160,6 +160,13 @@ class SQSSource(EnvelopedSource):
     # ---------------------------------------------------------------------------------------------
     # start and stop
 
+    def declare_metrics(self) -> None:
+        """This source's series, at zero until counted (see consumer_kit.metrics)."""
+        for counter in (S3_TEST_EVENTS, RECEIVED_WHILE_HELD, RECEIVE_FAILURES):
+            counter.labels(self.name)
+        for action in ("delete", "visibility", "dead_letter_copy"):
+            SETTLEMENTS.labels(self.name, action)
+
     async def start(self, dispatch: Dispatch, settings: Settings) -> None:
         """Open the client, check the queue (and the dead-letter queue or the redrive policy), then
         begin polling."""
