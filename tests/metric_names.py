@@ -45,7 +45,7 @@ def series_names() -> set[str]:
 
 def documented_metrics() -> dict[str, str]:
     """The README's metrics table: metric name to the type it gives."""
-    text = (ROOT / "README.md").read_text()
-    section = text.split("\n### Metrics\n", 1)[1].split("\n#", 1)[0]
+    text = (ROOT / "docs" / "operating" / "metrics.md").read_text()
+    section = text.split("\n## The metrics\n", 1)[1].split("\n#", 1)[0]
     rows = re.findall(r"^\| `([a-z0-9_]+)` \| (counter|gauge|histogram) \|", section, re.MULTILINE)
     return dict(rows)

@@ -56,6 +56,7 @@ another name, created before its first block and dropped after its last.
 
 from __future__ import annotations
 
+import collections
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
@@ -247,3 +248,20 @@ def substitute(text: str, ports: dict[int, int], database: str | None) -> str:
     if database is not None:
         text = re.sub(rf"/{DATABASE}(?!\w)", f"/{database}", text)
     return text
+
+
+def tally(page: Path, root: Path = ROOT) -> dict[str, int]:
+    """How many blocks ``page`` has, and how many of each kind (what tests/docs/counts.py pins)."""
+    blocks = parse(page, root)
+    kinds = collections.Counter(block.kind for block in blocks)
+    return {"found": len(blocks), "run": kinds["run"], "written": kinds["write"], "checked": kinds["check"],
+            "outputs": kinds["output"], "shown": kinds["shown"], "not_run": kinds["not-run"]}
+
+
+if __name__ == "__main__":  # python -m tests.docs.blocks: the counts as they are now, to paste into counts.py
+    totals: collections.Counter[str] = collections.Counter()
+    for each in pages():
+        found = tally(each)
+        totals.update(found)
+        print(f'    "{each}": dict({", ".join(f"{name}={count}" for name, count in found.items())}),')
+    print(f'TOTAL = dict({", ".join(f"{name}={count}" for name, count in totals.items())})')

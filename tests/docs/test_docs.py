@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.docs import counts
-from tests.docs.blocks import ROOT, fence_lines, pages, parse
+from tests.docs.blocks import ROOT, fence_lines, pages, parse, tally
 from tests.docs.runner import PageRun
 
 PAGES = pages()
@@ -20,14 +20,6 @@ PAGES = pages()
 def test_every_block_of_the_page_runs(page: Path, tmp_path: Path) -> None:
     report = PageRun(page, tmp_path).run()
     assert report.ran or report.written or report.checked or report.shown or not parse(page), report
-
-
-def tally(page: Path) -> dict[str, int]:
-    """How many blocks of ``page`` there are, and of each kind."""
-    blocks = parse(page)
-    kinds = collections.Counter(block.kind for block in blocks)
-    return {"found": len(blocks), "run": kinds["run"], "written": kinds["write"], "checked": kinds["check"],
-            "outputs": kinds["output"], "shown": kinds["shown"], "not_run": kinds["not-run"]}
 
 
 def test_the_parser_finds_every_fence() -> None:
