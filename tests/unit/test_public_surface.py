@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import sys
 
 import pytest
 
@@ -31,6 +32,17 @@ def test_exported_members() -> None:
                 assert member.__doc__, f"{module.__name__}.{name} has no docstring"
     assert consumer_kit.testing.__all__ == [
         "Delivered", "InMemorySource", "InjectedCrash", "Proof", "RecipeHarness", "RecipeReport"]
+
+
+def test_every_public_name_is_found_where_it_is_defined() -> None:
+    # consumer_kit imports each name when it is first asked for (PEP 562): each is the defining module's own.
+    for name in consumer_kit.__all__:
+        member = getattr(consumer_kit, name)
+        assert member.__module__.startswith("consumer_kit."), (name, member.__module__)
+        assert getattr(sys.modules[member.__module__], name) is member
+    assert set(consumer_kit.__all__) <= set(dir(consumer_kit))
+    with pytest.raises(AttributeError, match="has no attribute 'NoSuchName'"):
+        consumer_kit.NoSuchName  # noqa: B018
 
 
 def test_outcomes_and_settlements() -> None:
