@@ -33,7 +33,9 @@ _KEY_ADVICE = (f"set it to a random value of at least {_MIN_HMAC_KEY_BYTES} byte
 class Settings(BaseSettings):
     """consumer-kit's configuration; read from the environment (and a ``.env`` file) by default."""
 
-    model_config = SettingsConfigDict(env_file=".env", env_file_encoding="utf-8", extra="ignore")
+    # hide_input_in_errors: a URL that does not validate may carry a password; no error repeats it.
+    model_config = SettingsConfigDict(env_file=".env", env_file_encoding="utf-8", extra="ignore",
+                                      hide_input_in_errors=True)
 
     database_url: str = Field(
         DEFAULT_DATABASE_URL,
@@ -132,7 +134,27 @@ class Settings(BaseSettings):
     @field_validator("database_url")
     @classmethod
     def _async_driver(cls, value: str) -> str:
-        return async_database_url(value)
+        url = async_database_url(value)
+        if scheme(url) not in DATABASE_SCHEMES:
+            raise ValueError(f"must be a SQLite URL (sqlite:///file.db) or a PostgreSQL one "
+                             f"(postgresql://user:password@host:5432/database, driver asyncpg or psycopg), "
+                             f"{_not(url)}")
+        return url
+
+    @field_validator("rabbitmq_url")
+    @classmethod
+    def _amqp(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None and scheme(value.get_secret_value()) not in ("amqp", "amqps"):
+            raise ValueError(f"must be an amqp:// or amqps:// URL (amqp://user:password@host:5672/vhost), "
+                             f"{_not(value.get_secret_value())}")
+        return value
+
+    @field_validator("coordinator_url", "sqs_endpoint_url")
+    @classmethod
+    def _http(cls, value: str | None) -> str | None:
+        if value is not None and scheme(value) not in ("http", "https"):
+            raise ValueError(f"must be an http:// or https:// URL, {_not(value)}")
+        return value
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -204,8 +226,26 @@ class Settings(BaseSettings):
 
 def explain(exc: ValidationError) -> str:
     """What is wrong with the settings, one clause per variable, without the values."""
-    return "; ".join(f"{'.'.join(str(part) for part in error['loc']).upper()}: {error['msg']}"
+    return "; ".join(f"{'.'.join(str(part) for part in error['loc']).upper()}: "
+                     f"{error['msg'].removeprefix('Value error, ')}"
                      for error in exc.errors(include_input=False, include_url=False))
+
+
+DATABASE_SCHEMES = ("sqlite+aiosqlite", "postgresql+asyncpg", "postgresql+psycopg", "postgresql+psycopg_async")
+"""The DATABASE_URL schemes consumer-kit runs on (after :func:`async_database_url`): SQLAlchemy's
+asyncio drivers of SQLite and PostgreSQL that the package's extras install."""
+
+
+def scheme(url: str) -> str | None:
+    """The scheme of ``url`` (before ``://``), lower-cased; None when it has none."""
+    name, separator, _rest = url.partition("://")
+    return name.strip().lower() if separator else None
+
+
+def _not(url: str) -> str:
+    # Only the scheme: the rest of a URL may carry a user and a password.
+    found = scheme(url)
+    return f"not {found}://" if found else "and this one has no scheme"
 
 
 def async_database_url(url: str) -> str:

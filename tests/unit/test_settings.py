@@ -5,9 +5,10 @@ import stat
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from consumer_kit import ConfigurationError, Settings
-from consumer_kit.settings import local_secret
+from consumer_kit.settings import explain, local_secret
 
 
 def test_defaults_are_the_seeds() -> None:
@@ -84,3 +85,50 @@ def test_a_local_secret_is_written_once_beside_a_sqlite_file_and_refused_elsewhe
     for elsewhere in ("postgresql+asyncpg://db/app", "sqlite+aiosqlite:///:memory:"):
         with pytest.raises(ConfigurationError, match=r"^HOOK_SECRET is not set: set it"):
             local_secret(elsewhere, "webhook-secret", variable="HOOK_SECRET")
+
+
+PASSWORD = "pw-never-shown-0451"
+
+WRONG_SCHEMES = [
+    ("rabbitmq_url", f"http://guest:{PASSWORD}@127.0.0.1:5672/", "RABBITMQ_URL: must be an amqp:// or amqps:// URL",
+     "not http://"),
+    ("rabbitmq_url", f"guest:{PASSWORD}@127.0.0.1:5672", "RABBITMQ_URL: must be an amqp:// or amqps:// URL",
+     "this one has no scheme"),
+    ("database_url", f"mysql://root:{PASSWORD}@127.0.0.1/app", "DATABASE_URL: must be a SQLite URL", "not mysql://"),
+    ("database_url", f"postgresql+psycopg2://app:{PASSWORD}@db/app", "DATABASE_URL: must be a SQLite URL",
+     "not postgresql+psycopg2://"),
+    ("coordinator_url", f"ftp://ck:{PASSWORD}@coordinator/", "COORDINATOR_URL: must be an http:// or https:// URL",
+     "not ftp://"),
+    ("sqs_endpoint_url", "localhost:4566", "SQS_ENDPOINT_URL: must be an http:// or https:// URL",
+     "this one has no scheme"),
+]
+
+
+@pytest.mark.parametrize(("field", "url", "said", "why"), WRONG_SCHEMES, ids=lambda v: str(v)[:24])
+def test_a_url_of_the_wrong_scheme_is_refused_naming_the_variable_never_the_password(
+        monkeypatch: pytest.MonkeyPatch, field: str, url: str, said: str, why: str) -> None:
+    monkeypatch.setenv(field.upper(), url)
+    with pytest.raises(ConfigurationError) as refused:
+        Settings.from_env()
+    assert str(refused.value).startswith(f"invalid setting: {said}")
+    assert why in str(refused.value) and "\n" not in str(refused.value)
+    with pytest.raises(ValidationError) as raw:  # what a user's own Settings() raises: no input in it either
+        Settings(_env_file=None)  # type: ignore[call-arg]
+    assert PASSWORD not in str(raw.value) and PASSWORD not in explain(raw.value) and PASSWORD not in str(refused.value)
+    assert explain(raw.value) == str(refused.value).removeprefix("invalid setting: ")
+
+
+@pytest.mark.parametrize(("field", "url", "kept"), [
+    ("rabbitmq_url", "amqps://u:p@broker:5671/vhost", None),
+    ("rabbitmq_url", "AMQP://u:p@broker/", None),
+    ("database_url", "postgresql+psycopg://u:p@db/app", "postgresql+psycopg://u:p@db/app"),
+    ("database_url", "postgres://u:p@db/app", "postgresql+asyncpg://u:p@db/app"),
+    ("database_url", "sqlite:///:memory:", "sqlite+aiosqlite:///:memory:"),
+    ("coordinator_url", "https://coordinator.internal/", "https://coordinator.internal/"),
+    ("sqs_endpoint_url", "http://127.0.0.1:4566", "http://127.0.0.1:4566"),
+])
+def test_urls_of_the_right_scheme_are_taken(monkeypatch: pytest.MonkeyPatch, field: str, url: str,
+                                            kept: str | None) -> None:
+    monkeypatch.setenv(field.upper(), url)
+    value = getattr(Settings(_env_file=None), field)  # type: ignore[call-arg]
+    assert (value.get_secret_value() if kept is None else value) == (url if kept is None else kept)
