@@ -1,12 +1,14 @@
 """The connection text of the RabbitMQ source and publisher: how long a connect may take, and the
 one-line error (:func:`unreachable`) for a broker that cannot be reached or refuses the user or the
-virtual host; the URL in it never shows the password."""
+virtual host; the URL in it never shows the password, and no log line before it says otherwise (the
+drivers' own lines about the failed first connect are filtered out)."""
 
 from __future__ import annotations
 
 import logging
 import socket
 
+import aio_pika
 import aiormq.exceptions
 import yarl
 
@@ -25,6 +27,23 @@ class _SameAsOurError(logging.Filter):
 
 
 logging.getLogger("aiormq.connection").addFilter(_SameAsOurError())
+
+
+class _NeverConnected(logging.Filter):
+    """aio-pika's robust connection logs "Connection to ... closed. Reconnecting after 5 seconds." when
+    its very first connect fails, though it does not reconnect then: ``connect_robust`` raises at once
+    (its ``fail_fast``), and the source raises its one-line refusal (:func:`unreachable`). A connection
+    that has connected before (``connection_attempt`` counts the connects that got through) does
+    reconnect, and its line stays."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        connection = args[0] if args else None
+        return not (isinstance(connection, aio_pika.RobustConnection) and connection.connection_attempt == 0
+                    and "Reconnecting" in str(record.msg))
+
+
+logging.getLogger("aio_pika.robust_connection").addFilter(_NeverConnected())
 
 
 def unreachable(exc: BaseException, url: str, what: str) -> ConfigurationError:
