@@ -3,20 +3,23 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from consumer_kit.cli.parsing import DATABASE
 from consumer_kit.cli.running import settings_from_env
 from consumer_kit.errors import ConfigurationError
-from consumer_kit.settings import Settings
-from consumer_kit.store import AppMigrations, app_revisions, check_schema, create_engine, schema_revisions, upgrade
-from consumer_kit.store.database import sqlite_path
-from consumer_kit.store.diagnosis import safe_url
+
+if TYPE_CHECKING:
+    from consumer_kit.settings import Settings
 
 
 async def schema(action: str) -> int:
     """``db upgrade`` (``action="upgrade"``) or ``db check``: exit 1 when a schema is not at its head."""
+    from consumer_kit.store import AppMigrations, app_revisions, create_engine, schema_revisions, upgrade
+    from consumer_kit.store.database import sqlite_path
+    from consumer_kit.store.diagnosis import safe_url
+
     settings = settings_from_env()
     app = AppMigrations.from_settings(settings)
     engine = create_engine(settings.database_url)
@@ -42,6 +45,8 @@ async def schema(action: str) -> int:
 
 def revision(args: argparse.Namespace) -> int:
     """``db revision -m MESSAGE``: a new, empty revision file in APP_MIGRATIONS."""
+    from consumer_kit.store import AppMigrations
+
     app = AppMigrations.from_settings(settings_from_env())
     if app is None:
         raise ConfigurationError("APP_MIGRATIONS is not set: set it to the directory for your app's revisions "
@@ -52,6 +57,8 @@ def revision(args: argparse.Namespace) -> int:
 
 async def refuse_missing(settings: Settings) -> None:
     """Refuse, rather than create, a database that is not there (for commands that only read)."""
+    from consumer_kit.store import check_schema, create_engine
+
     engine = create_engine(settings.database_url, pool_size=1)
     try:
         await check_schema(engine)
@@ -59,15 +66,32 @@ async def refuse_missing(settings: Settings) -> None:
         await engine.dispose()
 
 
+def _run(action: str) -> Callable[[argparse.Namespace], int]:
+    def run(_args: argparse.Namespace) -> int:
+        import asyncio
+
+        return asyncio.run(schema(action))
+
+    return run
+
+
 def add_commands(commands: Any, command: Callable[..., argparse.ArgumentParser]) -> None:
     """Register ``db upgrade|check|revision`` on ``commands`` (``command`` makes a sub-parser)."""
-    group = command(commands, "db", help="schema management")
+    group = command(commands, "db", help="schema management",
+                    description="consumer-kit's tables (its Alembic migrations) and the app's own (APP_MIGRATIONS).")
     db_commands = group.add_subparsers(dest="db_command", required=True, metavar="COMMAND")
-    upgrade_command = command(db_commands, "upgrade", help="apply consumer-kit's migrations, then the app's "
-                              "(APP_MIGRATIONS)")
-    upgrade_command.set_defaults(func=lambda _a: asyncio.run(schema("upgrade")))
-    command(db_commands, "check", help="exit 1 when the schema (or the app's) is out of date").set_defaults(
-        func=lambda _a: asyncio.run(schema("check")))
-    new = command(db_commands, "revision", help="write a new, empty revision file in APP_MIGRATIONS")
+    upgrade_command = command(
+        db_commands, "upgrade", help="apply consumer-kit's migrations, then the app's (APP_MIGRATIONS)",
+        description="Apply consumer-kit's migrations to DATABASE_URL, then the app's (APP_MIGRATIONS), and print "
+        "the revisions; exit 1 when a schema is still not at its head.", environment=DATABASE)
+    upgrade_command.set_defaults(func=_run("upgrade"))
+    check_command = command(
+        db_commands, "check", help="exit 1 when the schema (or the app's) is out of date",
+        description="Print DATABASE_URL's schema revision (and the app's); exit 1 when either is not at its head. "
+        "It never creates a database.", environment=DATABASE)
+    check_command.set_defaults(func=_run("check"))
+    new = command(db_commands, "revision", help="write a new, empty revision file in APP_MIGRATIONS",
+                  description="Write a new, empty Alembic revision file in APP_MIGRATIONS, after the newest one, "
+                  "and print its path.", environment=("app_migrations",))
     new.add_argument("-m", "--message", required=True, help="what the revision does (its file is named after it)")
     new.set_defaults(func=revision)

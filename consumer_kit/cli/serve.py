@@ -3,28 +3,38 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
-import signal
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from consumer_kit.cli.parsing import DATABASE, EVERY_SETTING, existing_directory, port
 from consumer_kit.cli.running import load_app, run_async, settings_from_env, with_stop
 from consumer_kit.errors import ConfigurationError
 from consumer_kit.extras import missing_extra
-from consumer_kit.http import http_paths
-from consumer_kit.signals import StopRequested, StopSignals, run_app
-from consumer_kit.store import AppMigrations, Database, create_engine, ensure_schema
+
+if TYPE_CHECKING:
+    from consumer_kit.app import ConsumerApp
 
 log = logging.getLogger("consumer_kit.cli")
 
 
+def require_work(app: ConsumerApp, target: str) -> None:
+    """Refuse an app that would start and do nothing: no handler, and no outbox to relay."""
+    if not app.specs and app.publisher is None:
+        raise ConfigurationError(f"{target} has no handlers, so it has nothing to run: register one with "
+                                 "@app.handler(source) (or give it an outbox to relay with app.relay_outbox)")
+
+
 def run(args: argparse.Namespace) -> int:
     """``consumer-kit run module:app``: until SIGTERM/SIGINT, then drain; ``--port`` serves ``app.asgi()``."""
+    from consumer_kit.http import http_paths
+    from consumer_kit.signals import StopRequested, StopSignals, run_app
+
     signals = StopSignals()
     try:
         signals.install()  # before the app's module is imported: that can take a while too
-        app = load_app(args.app)
+        app = load_app(args.app, app_dir=args.app_dir)
+        require_work(app, args.app)
         paths = http_paths(spec.source for spec in app.specs)
         if paths and args.port is None:
             raise ConfigurationError(f"{args.app} has HTTP sources ({', '.join(paths)}): give --port to serve them")
@@ -52,6 +62,8 @@ def run(args: argparse.Namespace) -> int:
 
 def coordinator_serve(args: argparse.Namespace) -> int:
     """``consumer-kit coordinator serve``: the embedded coordinator over HTTP, until SIGTERM/SIGINT."""
+    from consumer_kit.signals import StopRequested, StopSignals
+
     signals = StopSignals()
     try:
         signals.install()
@@ -73,12 +85,15 @@ def coordinator_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-async def outbox_relay(app_target: str | None) -> int:
+async def outbox_relay(app_target: str | None, app_dir: str | None = None) -> int:
     """``consumer-kit outbox relay``: publish committed outbox rows (the app's publisher, else RABBITMQ_URL's)."""
-    from consumer_kit.outbox import OutboxRelay, Publisher
-    from consumer_kit.store import Outbox
+    import asyncio
+    import signal
 
-    app = load_app(app_target) if app_target else None
+    from consumer_kit.outbox import OutboxRelay, Publisher
+    from consumer_kit.store import AppMigrations, Database, Outbox, create_engine, ensure_schema
+
+    app = load_app(app_target, app_dir=app_dir) if app_target else None
     settings = app.settings if app is not None else settings_from_env()
     publisher: Publisher | None = app.publisher if app is not None else None
     if publisher is None:
@@ -106,26 +121,46 @@ def add_commands(commands: Any, command: Callable[..., argparse.ArgumentParser])
     """Register ``run``, ``coordinator serve`` and ``outbox relay`` on ``commands`` (``command`` makes
     a sub-parser)."""
     running = command(
-        commands, "run", help="run an app: module:app",
+        commands, "run", help="run an app: module:app or path/to/app.py:app",
         description="Run an app until SIGTERM/SIGINT, then drain. With --port it also serves /healthz, "
-        "/readyz and /metrics (and its HTTP sources' paths); without --port it serves nothing over HTTP.")
-    running.add_argument("app", help="module:app (the current directory is importable)")
+        "/readyz and /metrics (and its HTTP sources' paths); without --port it serves nothing over HTTP. An "
+        "app with no handlers is refused.", environment=EVERY_SETTING)
+    running.add_argument("app", help="module:app (say myapp.worker:app) or path/to/app.py:app: the ConsumerApp "
+                         "to run")
+    app_dir_option(running)
     running.add_argument("--host", default="127.0.0.1", help="the address --port listens on (0.0.0.0 in a container)")
-    running.add_argument("--port", type=int, default=None,
-                     help="serve /healthz, /readyz, /metrics and the HTTP sources here (unset: no HTTP server; an "
-                     "app with HTTP sources needs it)")
+    running.add_argument("--port", type=port, default=None,
+                         help="serve /healthz, /readyz, /metrics and the HTTP sources on this port, 0 to 65535 (0: "
+                         "any free one; unset: no HTTP server, and an app with HTTP sources needs it)")
     running.set_defaults(func=run)
 
-    coordinator = command(commands, "coordinator", help="the coordinator server")
+    coordinator = command(commands, "coordinator", help="the coordinator server",
+                          description="The coordinator: the service that creates sessions under idempotency keys.")
     coordinator_commands = coordinator.add_subparsers(dest="coordinator_command", required=True, metavar="COMMAND")
-    serving = command(coordinator_commands, "serve", help="serve the coordinator under uvicorn")
+    serving = command(coordinator_commands, "serve", help="serve the coordinator under uvicorn",
+                      description="Serve the embedded coordinator over HTTP (POST /v1/sessions, /v1/delegations, "
+                      "GET /metrics, /healthz) on its database, until SIGTERM/SIGINT.",
+                      environment=("database_url", "db_pool_size", "coordinator_tokens", "coordinator_body_limit_bytes",
+                                   "*idempotency_*", "http_*", "shutdown_grace_seconds", "sweep_*"))
     serving.add_argument("--host", default="127.0.0.1", help="the address to listen on")
-    serving.add_argument("--port", type=int, default=8080, help="the port to listen on")
+    serving.add_argument("--port", type=port, default=8080, help="the port to listen on, 0 to 65535 (0: any free one)")
     serving.set_defaults(func=coordinator_serve)
 
-    outbox = command(commands, "outbox", help="the transactional outbox")
+    outbox = command(commands, "outbox", help="the transactional outbox",
+                     description="The transactional outbox: messages committed with a handler's effects.")
     outbox_commands = outbox.add_subparsers(dest="outbox_command", required=True, metavar="COMMAND")
-    relay = command(outbox_commands, "relay", help="publish committed outbox rows until SIGTERM")
-    relay.add_argument("--app", default=None, help="module:app whose settings and publisher to use "
-                       "(default: RABBITMQ_URL's broker)")
-    relay.set_defaults(func=lambda a: run_async(outbox_relay(a.app)))
+    relay = command(outbox_commands, "relay", help="publish committed outbox rows until SIGTERM",
+                    description="Publish committed outbox rows, each under its stable message id, until "
+                    "SIGTERM/SIGINT: with the publisher of --app's app, else to RABBITMQ_URL's broker.",
+                    environment=(*DATABASE, "rabbitmq_url", "outbox_*", "sweep_*"))
+    relay.add_argument("--app", default=None, help="module:app or path/to/app.py:app whose settings and publisher "
+                       "to use (unset: RABBITMQ_URL's broker; with it, the app's Settings() reads every setting)")
+    app_dir_option(relay)
+    relay.set_defaults(func=lambda a: run_async(outbox_relay(a.app, a.app_dir)))
+
+
+def app_dir_option(parser: argparse.ArgumentParser) -> None:
+    """``--app-dir DIR``, for a command that loads an app (pass ``args.app_dir`` to ``load_app``)."""
+    parser.add_argument("--app-dir", type=existing_directory, default=None, metavar="DIR",
+                        help="look for the app's module (or file) in DIR, put first on the import path (unset: "
+                        "the current directory)")
