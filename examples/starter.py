@@ -12,14 +12,16 @@ A webhook receiver and a schedule in one app, on a SQLite file with the in-proce
   per minute however many replicas run.
 - ``/healthz``, ``/readyz`` and ``/metrics``.
 
-On start it prints a ``curl`` command that sends a signed order. The signing secret comes from
-``STARTER_WEBHOOK_SECRET``; when that is unset and the database is a SQLite file (the default
-``consumer-kit.db``), a random one is written beside it once (``consumer-kit.db.webhook-secret``, mode
-0600) and used from then on, as the HMAC key is (``consumer-kit.db.hmac-key``). On any other database
-the secret must be set. ``python -m examples.starter curl '{"id": "order-2", "amount": 5}'`` prints the
-command for another body; ``python -m examples.starter init`` only creates the example's tables (what a
-deployment runs once, beside ``consumer-kit db upgrade``), and ``consumer-kit run examples.starter:app
---port 8000`` runs the app without the rest.
+Once it serves (its ``/readyz`` answers), it prints a ``curl`` command that sends a signed order, and
+commands to look further written with this interpreter's path (``.venv/bin/...``): they work as printed,
+with no virtualenv activated. The signing secret comes from ``STARTER_WEBHOOK_SECRET``; when that is
+unset and the database is a SQLite file (the default ``consumer-kit.db``), a random one is written
+beside it once (``consumer-kit.db.webhook-secret``, mode 0600) and used from then on, as the HMAC key is
+(``consumer-kit.db.hmac-key``). On any other database the secret must be set. ``python -m
+examples.starter curl '{"id": "order-2", "amount": 5}'`` prints the command for another body; ``python
+-m examples.starter init`` only creates the example's tables (what a deployment runs once, beside
+``consumer-kit db upgrade``), and ``consumer-kit run examples.starter:app --port 8000`` runs the app
+without the rest.
 """
 
 from __future__ import annotations
@@ -32,7 +34,11 @@ import logging
 import os
 import shlex
 import sys
+import threading
+import time
+import urllib.request
 from datetime import timedelta
+from pathlib import Path
 
 from sqlalchemy import Column, DateTime, Integer, MetaData, String, Table, func, select
 
@@ -112,8 +118,71 @@ async def init() -> None:
     await create_tables(settings, metadata)
 
 
+def command_path(path: str) -> str:
+    """``path`` as it can be typed where this runs: relative below the current directory (a virtualenv's
+    ``.venv/bin/python``), absolute elsewhere; either way it needs no activated virtualenv."""
+    relative = os.path.relpath(path)
+    return shlex.quote(path if relative.startswith("..") else relative)
+
+
+def own_commands() -> tuple[str, str]:
+    """How to run this interpreter and the ``consumer-kit`` command of its environment, as typed."""
+    python = command_path(sys.executable)
+    script = Path(sys.executable).with_name("consumer-kit")
+    return python, command_path(str(script)) if script.exists() else f"{python} -m consumer_kit.cli"
+
+
+def startup_message(host: str, port: int) -> str:
+    """What ``run`` prints once it is serving: where, and commands that work as printed."""
+    where = settings.database_url.split("///", 1)[-1] if settings.is_sqlite else "the database"
+    coordinator = settings.coordinator_url or "the in-process coordinator"
+    python, consumer_kit = own_commands()
+    another = shlex.quote('{"id": "order-2", "amount": 5}')
+    return f"""
+consumer-kit starter: a webhook receiver and a schedule on {where}, with {coordinator}
+  webhook secret: {SECRET_ORIGIN}
+  http://{host}:{port}/orders  (and /healthz, /readyz, /metrics)
+
+Send it a signed order (send it again: the answer is "duplicate", and nothing new is recorded):
+
+  {signed_curl(SAMPLE_ORDER, port, host)}
+
+Then:
+
+  curl -s http://{host}:{port}/metrics | grep consumer_kit_deliveries_total
+  {python} -m examples.starter curl {another} --port {port}   # the command for another order
+  {consumer_kit} parked list --format table   # what was parked and why (a signed order without an id is)
+  {consumer_kit} demo   # the retry-safety table of the coordinator's recipe
+
+Stop it with Ctrl-C.
+"""
+
+
+def announce_when_ready(url: str, message: str, *, every: float = 0.1) -> threading.Thread:
+    """Print ``message`` once ``url`` (the worker's ``/readyz``) answers 200, from a thread of its own:
+    the curl it holds then reaches a bound port and a started app. The thread dies with the process."""
+    # urllib rather than httpx: httpx logs every request at INFO, and this polls. No proxy for loopback.
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+    def wait_then_print() -> None:
+        while True:
+            try:
+                with opener.open(url, timeout=2) as answer:
+                    if answer.status == 200:
+                        break
+            except OSError:  # refused (not listening yet), or 503 (not ready yet)
+                pass
+            time.sleep(every)
+        print(message, flush=True)
+
+    thread = threading.Thread(target=wait_then_print, name="starter-announce", daemon=True)
+    thread.start()
+    return thread
+
+
 def main(argv: list[str]) -> int:
-    """``[--host H] [--port N]``: init, print how to send an order, run; ``curl BODY``; ``init``."""
+    """``[--host H] [--port N]``: init, run, and print how to send an order once it serves; ``curl
+    BODY``; ``init``."""
     parser = argparse.ArgumentParser(prog="python -m examples.starter", description=__doc__.split("\n\n")[0])
     parser.add_argument("action", nargs="?", choices=["run", "curl", "init"], default="run")
     parser.add_argument("body", nargs="?", default=SAMPLE_ORDER, help="curl: the order to sign")
@@ -126,22 +195,8 @@ def main(argv: list[str]) -> int:
     asyncio.run(init())
     if args.action == "init":
         return 0
-    where = settings.database_url.split("///", 1)[-1] if settings.is_sqlite else "the database"
-    coordinator = settings.coordinator_url or "the in-process coordinator"
     host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
-    print(f"""
-consumer-kit starter: a webhook receiver and a schedule on {where}, with {coordinator}
-  webhook secret: {SECRET_ORIGIN}
-  http://{host}:{args.port}/orders  (and /healthz, /readyz, /metrics)
-
-Send it a signed order (send it again: the answer is "duplicate", and nothing new is recorded):
-
-  {signed_curl(SAMPLE_ORDER, args.port, host)}
-
-Then: curl -s http://{host}:{args.port}/metrics | grep consumer_kit_deliveries_total
-Another order: python -m examples.starter curl '{{"id": "order-2", "amount": 5}}' --port {args.port}
-Stop it with Ctrl-C; the retry-safety table of the coordinator's recipe is `consumer-kit demo`.
-""", flush=True)
+    announce_when_ready(f"http://{host}:{args.port}/readyz", startup_message(host, args.port))
     from consumer_kit.cli import main as consumer_kit
 
     return consumer_kit(["run", "examples.starter:app", "--host", args.host, "--port", str(args.port)])
