@@ -166,6 +166,18 @@ def _configure_logging(args: argparse.Namespace) -> None:
         logging.getLogger("consumer_kit").setLevel(logging.DEBUG)
 
 
+def load_env_file(path: str) -> None:
+    """``--env-file``: ``path``'s variables into the environment, where one is not set already (as
+    uvicorn's ``--env-file``), before anything reads a setting."""
+    from dotenv import load_dotenv  # how pydantic-settings reads a .env file, and its dependency
+
+    try:
+        load_dotenv(path, override=False)
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigurationError(f"--env-file {path}: cannot read it ({getattr(exc, 'strerror', None) or exc})") \
+            from None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``consumer-kit`` script."""
     args = parse(argv)
@@ -173,9 +185,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         env_file = getattr(args, "env_file", None)
         if env_file is not None:
-            from dotenv import load_dotenv  # pydantic-settings' own reader of .env files
-
-            load_dotenv(env_file, override=False)
+            load_env_file(env_file)
         _configure_logging(args)
         return func(args)
     except ConfigurationError as exc:

@@ -6,7 +6,8 @@
   :class:`~consumer_kit.settings.Settings` when the help is printed (so the list stays true, and
   building the parser imports no pydantic-settings).
 - :func:`port`, :func:`existing_file`, :func:`existing_directory`: argument types that refuse a bad
-  value in one line at parse time.
+  value in one line at parse time; :func:`app_dir_option` adds ``--app-dir`` to a command that loads
+  an app.
 
 A sub-command module makes its parsers with ``commands.add_parser(name, ..., environment=(...))``
 (the sub-parsers of a :class:`Parser` are Parsers) or the ``command`` factory it is given, which
@@ -148,3 +149,10 @@ class Version(argparse.Action):
             found = "unknown (not installed)"
         print(f"consumer-kit {found}")  # on stdout, as argparse's own version action prints
         parser.exit()
+
+
+def app_dir_option(parser: argparse.ArgumentParser) -> None:
+    """``--app-dir DIR``, for a command that loads an app (it passes ``args.app_dir`` to ``load_app``)."""
+    parser.add_argument("--app-dir", type=existing_directory, default=None, metavar="DIR",
+                        help="look for the app's module (or file) in DIR, put first on the import path (unset: "
+                        "the current directory)")

@@ -7,7 +7,7 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from consumer_kit.cli.parsing import DATABASE, EVERY_SETTING, existing_directory, port
+from consumer_kit.cli.parsing import DATABASE, EVERY_SETTING, app_dir_option, port
 from consumer_kit.cli.running import load_app, run_async, settings_from_env, with_stop
 from consumer_kit.errors import ConfigurationError
 from consumer_kit.extras import missing_extra
@@ -157,10 +157,3 @@ def add_commands(commands: Any, command: Callable[..., argparse.ArgumentParser])
                        "to use (unset: RABBITMQ_URL's broker; with it, the app's Settings() reads every setting)")
     app_dir_option(relay)
     relay.set_defaults(func=lambda a: run_async(outbox_relay(a.app, a.app_dir)))
-
-
-def app_dir_option(parser: argparse.ArgumentParser) -> None:
-    """``--app-dir DIR``, for a command that loads an app (pass ``args.app_dir`` to ``load_app``)."""
-    parser.add_argument("--app-dir", type=existing_directory, default=None, metavar="DIR",
-                        help="look for the app's module (or file) in DIR, put first on the import path (unset: "
-                        "the current directory)")
