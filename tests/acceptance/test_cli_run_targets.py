@@ -149,6 +149,12 @@ def test_a_wrong_url_in_an_env_file_names_the_variable_not_the_password(tmp_path
         "URL (amqp://user:password@host:5672/vhost), not http://"]
 
 
+def test_an_env_file_that_cannot_be_read_is_one_line(shell: Path) -> None:
+    (shell / "latin1.env").write_bytes(b"NAME=caf\xe9\n")
+    says_one_line(cli("--env-file", "latin1.env", "db", "check"), "--env-file latin1.env: cannot read it")
+    says_one_line(cli("db", "check", "--env-file", "missing.env"), "argument --env-file: 'missing.env': no such file")
+
+
 @pytest.mark.parametrize(("variable", "url", "words"), [
     ("DATABASE_URL", f"mysql://root:{SECRET}@127.0.0.1/ck", "DATABASE_URL: must be a SQLite URL"),
     ("COORDINATOR_URL", f"ftp://ck:{SECRET}@127.0.0.1/", "COORDINATOR_URL: must be an http:// or https:// URL"),
