@@ -9,6 +9,8 @@ import asyncio
 import importlib
 import sys
 
+from consumer_kit import ConfigurationError
+
 EXAMPLES = ("examples.rabbitmq_worker", "examples.sqs_worker", "examples.starter", "examples.nightly_report")
 """The examples whose ``init`` runs, in this order."""
 
@@ -23,4 +25,8 @@ async def init_all() -> None:
 if __name__ == "__main__":
     if sys.argv[1:] != ["init"]:
         raise SystemExit("usage: python -m examples init")
-    asyncio.run(init_all())
+    try:
+        asyncio.run(init_all())
+    except ConfigurationError as exc:  # one line that says what to set, as each example's own init gives
+        print(f"python -m examples init: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None

@@ -11,7 +11,7 @@ from typing import Any
 
 from sqlalchemy import Column, Integer, MetaData, String, Table
 
-from consumer_kit import Context
+from consumer_kit import ConfigurationError, Context
 
 
 def orders_table(name: str, metadata: MetaData) -> Table:
@@ -36,7 +36,12 @@ async def record(ctx: Context, orders: Table) -> dict[str, Any]:
 
 
 def main(module: str, init: Callable[[], Awaitable[None]]) -> None:
-    """``python -m <module> init``: run the example's ``init``."""
+    """``python -m <module> init``: run the example's ``init``; a configuration it cannot work with is
+    one line on stderr and exit status 2, as the ``consumer-kit`` command answers it."""
     if sys.argv[1:] != ["init"]:
         raise SystemExit(f"usage: python -m {module} init")
-    asyncio.run(init())
+    try:
+        asyncio.run(init())
+    except ConfigurationError as exc:
+        print(f"python -m {module} init: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None

@@ -4,10 +4,11 @@ recorded in PostgreSQL and announced on ``EVENTS_QUEUE`` through the outbox.
 Run it the way production would::
 
     export DATABASE_URL=postgresql://app@db/app IDEMPOTENCY_HMAC_KEY=... SQS_REGION=eu-west-1
-    # credentials: boto3's usual chain (AWS_PROFILE, the task or instance role, ...);
-    # SQS_ENDPOINT_URL=http://localhost:4566 for LocalStack or moto
+    # credentials: boto3's usual chain (AWS_PROFILE, the task or instance role, ...); no AWS:
+    # SQS_ENDPOINT_URL=http://127.0.0.1:5000 for moto's server (moto_server -p 5000), :4566 for LocalStack
     consumer-kit db upgrade
     python -m examples.sqs_worker init      # the example's table, and the topic and queues if missing
+                                            # (without AWS settings: one line saying what to set)
     consumer-kit run examples.sqs_worker:app --port 8000   # and /healthz, /readyz, /metrics
 
 Publish ``{"order": "O-1", "amount": 12}`` to the ``ORDERS_TOPIC`` topic. The source unwraps the SNS
@@ -27,12 +28,19 @@ import json
 import os
 
 import boto3
+import botocore.exceptions
 from sqlalchemy import MetaData
 
-from consumer_kit import ConsumerApp, Context, Settings
+from consumer_kit import ConfigurationError, ConsumerApp, Context, Settings
 from consumer_kit.sources.sqs import SqsPublisher, SQSSource
+from consumer_kit.sources.sqs.client import explain
 from examples import create_tables
 from examples.orders import main, orders_table, record
+
+# What a first try without an AWS account needs; the same endpoint the SQS page of the docs starts.
+LOCAL_ENDPOINT = ("to try it without AWS, start a local endpoint (moto_server -p 5000, from pip install "
+                  "'moto[server]') and set SQS_ENDPOINT_URL=http://127.0.0.1:5000 SQS_REGION=us-east-1 "
+                  "AWS_ACCESS_KEY_ID=testing AWS_SECRET_ACCESS_KEY=testing")
 
 ORDERS_TOPIC = os.environ.get("ORDERS_TOPIC", "orders")
 ORDERS_QUEUE = os.environ.get("ORDERS_QUEUE", "orders")
@@ -56,11 +64,27 @@ async def record_order(ctx: Context) -> None:
 
 
 async def init() -> None:
-    """Create the example's table; create the topic, the queues (the orders queue with a redrive
-    policy to its dead-letter queue) and the subscription unless they exist. In production these come
-    from your infrastructure code; the calls are idempotent."""
+    """Create the topic, the queues (the orders queue with a redrive policy to its dead-letter queue)
+    and the subscription unless they exist, then the example's table. In production these come from
+    your infrastructure code; the calls are idempotent. AWS's answer to a missing region or credentials,
+    or an endpoint it cannot reach, is a ConfigurationError of one line that says what to set."""
+    missing = await asyncio.to_thread(_missing_aws_settings)
+    if missing:
+        raise ConfigurationError(f"SQS needs {' and '.join(missing)}; {LOCAL_ENDPOINT}")
+    try:
+        await asyncio.to_thread(_create_topic_and_queues)
+    except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError) as exc:
+        raise ConfigurationError(f"{explain(exc, settings.sqs_endpoint_url)}; {LOCAL_ENDPOINT}") from None
     await create_tables(settings, metadata)
-    await asyncio.to_thread(_create_topic_and_queues)
+
+
+def _missing_aws_settings() -> list[str]:
+    """What boto3's chains do not find (a thread: the credential chain may ask the instance's metadata)."""
+    session = boto3.Session(region_name=settings.sqs_region)
+    missing = [] if session.region_name else ["a region (SQS_REGION, or AWS_REGION)"]
+    if session.get_credentials() is None:
+        missing.append("AWS credentials (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or a role)")
+    return missing
 
 
 def _create_topic_and_queues() -> None:
