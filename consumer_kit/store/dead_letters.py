@@ -5,12 +5,16 @@ A parked row keeps what its source handed to the pipeline: the body, the headers
 ``attributes``, the source's delivery id and the delivery's fingerprint, so that a replay hands the same
 delivery over again, keyed the same and counted as the same request. The delivery id is the raw stable
 id the operation key was made of: it is kept for the replay and never printed; listings show the key's
-digest.
+digest. A delivery parked by its handler's exception also keeps that attempt's traceback (redacted by
+the pipeline; its end, at most :data:`TRACEBACK_LIMIT_BYTES`).
+
+An operator names a parked delivery by its id or by the start of it (:meth:`DeadLetters.matching`).
 """
 
 from __future__ import annotations
 
 import builtins
+import re
 import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -22,11 +26,21 @@ from consumer_kit.store.connections import Database
 from consumer_kit.store.executor import Executor, Row
 from consumer_kit.store.inbox import Clock, utcnow
 
+TRACEBACK_LIMIT_BYTES = 16 * 1024
+"""How much of a traceback a parked delivery keeps (and the pipeline logs): at most 16 KiB (UTF-8), its
+end, where the exception and the frame that raised it are; a longer one loses its start, cut at a line
+and replaced by a note that says how much was cut."""
+
+_NOTE_BYTES = 64  # room left for that note
+
+_HEX = re.compile(r"[0-9a-f]+")
+
 
 @dataclass(frozen=True, slots=True)
 class DeadLetter:
     """One parked delivery. ``key_digest`` is ``None`` when the delivery could not be keyed;
-    ``delivery_id``, ``attributes`` and ``fingerprint`` are ``None`` on rows parked before they were kept."""
+    ``delivery_id``, ``attributes`` and ``fingerprint`` are ``None`` on rows parked before they were kept;
+    ``traceback`` is the last attempt's when a handler's exception parked it, else ``None``."""
 
     id: str
     consumer: str
@@ -45,6 +59,7 @@ class DeadLetter:
     fingerprint: str | None = None
     replays: int = 0
     replayed_at: datetime | None = None
+    traceback: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,14 +131,16 @@ class DeadLetters:
         delivery_id: str | None = None,
         attributes: Mapping[str, str] | None = None,
         fingerprint: str | None = None,
+        traceback: str | None = None,
     ) -> str:
-        """Store a parked delivery (in ``ex``'s transaction when given, else on its own) and return its id."""
+        """Store a parked delivery (in ``ex``'s transaction when given, else on its own) and return its id.
+        ``traceback`` (already redacted) is kept to its last :data:`TRACEBACK_LIMIT_BYTES`."""
         letter_id = secrets.token_hex(16)
         params = {"id": letter_id, "consumer": consumer, "source": source, "namespace": namespace,
                   "version": version, "key_digest": key_digest, "reason": reason, "detail": detail,
                   "body": body, "headers": dict(headers), "attempts": attempts, "created_at": self.clock(),
                   "delivery_id": delivery_id, "attributes": dict(attributes) if attributes else None,
-                  "fingerprint": fingerprint}
+                  "fingerprint": fingerprint, "traceback": None if traceback is None else bounded(traceback)}
         if ex is not None:
             await ex.execute(sql.INSERT_DEAD_LETTER, params)
         else:
@@ -148,6 +165,21 @@ class DeadLetters:
         async with self.database.connect() as ex:
             row = await ex.fetch_one(sql.GET_DEAD_LETTER, {"id": letter_id})
         return None if row is None else _letter(row)
+
+    async def matching(self, prefix: str) -> tuple[int, DeadLetter | None]:
+        """How many parked deliveries have an id starting with ``prefix`` (a whole id, or its first
+        digits), and that delivery when exactly one has."""
+        prefix = prefix.strip().lower()
+        if not _HEX.fullmatch(prefix):  # ids are hex: anything else names none (and holds no wildcard)
+            return 0, None
+        async with self.database.connect() as ex:
+            row = await ex.fetch_one(sql.MATCH_DEAD_LETTERS, {"pattern": prefix + "%"})
+        assert row is not None
+        found = int(row["matching"])
+        if found != 1:
+            return found, None
+        letter = await self.get(row["id"])
+        return (0, None) if letter is None else (1, letter)  # None: discarded since
 
     async def count(self, *, reason: str | None = None, where: ParkedFilter | None = None) -> int:
         """How many deliveries are parked (for one reason, or those ``where`` selects)."""
@@ -197,6 +229,17 @@ class DeadLetters:
             "acted_at": self.clock(), "consumer": letter.consumer, "source": letter.source,
             "reason": letter.reason, "key_digest": letter.key_digest, "outcome": outcome,
             "detail": detail[:2000] if detail else None})
+
+
+def bounded(traceback: str) -> str:
+    """``traceback`` in at most :data:`TRACEBACK_LIMIT_BYTES`: its end, from the start of a line, after a
+    note of how much was cut (bounding it again changes nothing)."""
+    encoded = traceback.encode()
+    if len(encoded) <= TRACEBACK_LIMIT_BYTES:
+        return traceback
+    tail = encoded[-(TRACEBACK_LIMIT_BYTES - _NOTE_BYTES):].decode(errors="ignore")  # a character cut in two: left out
+    tail = tail[tail.find("\n") + 1:]
+    return f"[the traceback's first {len(encoded) - len(tail.encode())} bytes were cut]\n{tail}"
 
 
 def _letter(row: Row) -> DeadLetter:

@@ -112,6 +112,9 @@ dead_letters = Table(
     Column("fingerprint", String(64), nullable=True),
     Column("replays", Integer, nullable=False, server_default="0"),
     Column("replayed_at", UTCDateTime(), nullable=True),
+    # The last attempt's traceback (raw key redacted) when a handler's exception parked the delivery:
+    # its end, at most TRACEBACK_LIMIT_BYTES (store.dead_letters). NULL otherwise, and before 0007.
+    Column("traceback", Text, nullable=True),
     Index("ix_dead_letters_created_at", "created_at"),
     Index("ix_dead_letters_key_digest", "key_digest"),
     Index("ix_dead_letters_reason", "reason"),
