@@ -37,7 +37,9 @@ from consumer_kit.pipeline.fate import Fate
 from consumer_kit.pipeline.running import NO_COMMIT, NO_SPAN, HandlerRunner, Stores
 from consumer_kit.pipeline.spec import Batch
 from consumer_kit.pipeline.work import PROCESSED, Work, log
+from consumer_kit.redaction import describe, format_exception
 from consumer_kit.store import BatchKey, Claim, ClaimStatus, Executor, StagedWrites
+from consumer_kit.store.dead_letters import bounded
 
 if TYPE_CHECKING:
     from consumer_kit.pipeline.single import SinglePath
@@ -252,8 +254,9 @@ class BatchedPath:
                 for work in ran:
                     try:
                         await self.runner.run(ex, work, links, staged)
-                    except Exception as exc:
-                        work.log(logging.INFO, f"handler failed in a batch ({type(exc).__name__}); it runs alone")
+                    except Exception as exc:  # a failed attempt like any other: it shows its cause
+                        work.log(logging.WARNING, f"handler failed in a batch ({describe(exc, work.key)}); it runs "
+                                 "alone", bounded(format_exception(exc, work.key)))
                         raise _HandlerFailed(work) from exc
                 if staged:  # a failure here fails the batch as a whole: it is halved (_on)
                     await staged.write(ex)

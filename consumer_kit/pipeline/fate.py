@@ -6,6 +6,9 @@
   hands the delivery back to the source after ``delay``; anything else is tried again in process
   (jittered exponential backoff, ``RETRY_ATTEMPTS`` in all), then handed back; once a key has been
   delivered ``MAX_DELIVERIES`` times it is parked "retries_exhausted";
+- every failed attempt logs its traceback, raw key redacted (as a span records it) and bounded as a
+  parked row keeps it, in the record that says what comes next: WARNING when it is retried, ERROR
+  when it parks; a delivery parked by the exception keeps that traceback (``consumer-kit parked show``);
 - a lost lease (another attempt took over) -> RETRY_LATER, this attempt's writes rolled back;
 - a table or column that does not exist (SchemaMissing) -> RETRY_LATER without another attempt, its
   lease given back and its count of deliveries untouched, and the runner told (the worker stops): a
@@ -28,9 +31,10 @@ from consumer_kit.pipeline.duplicates import DuplicateShare
 from consumer_kit.pipeline.running import Stores, span, usable
 from consumer_kit.pipeline.spec import HandlerSpec
 from consumer_kit.pipeline.work import Work, log
-from consumer_kit.redaction import describe
+from consumer_kit.redaction import describe, format_exception
 from consumer_kit.settings import Settings
 from consumer_kit.store import Claim, ClaimStatus, Executor, claimable, verdict
+from consumer_kit.store.dead_letters import bounded
 from consumer_kit.store.diagnosis import missing_schema
 
 T = TypeVar("T")
@@ -83,8 +87,8 @@ class Fate:
                 if (isinstance(exc, RetryableError) and exc.delay is not None) or number == settings.retry_attempts \
                         or ex.discarded:
                     return Failed(exc)
-                work.log(logging.INFO, f"handler failed, attempt {number}; retrying in process "
-                         f"({describe(exc, work.key)})")
+                work.log(logging.WARNING, f"handler failed, attempt {number}; retrying in process "
+                         f"({describe(exc, work.key)})", bounded(format_exception(exc, work.key)))
                 await asyncio.sleep(self._backoff(number))
         raise AssertionError("unreachable")
 
@@ -106,14 +110,16 @@ class Fate:
             self.fatal(exc)
             return Result(Outcome.RETRY, Settlement.RETRY_LATER, "schema_missing",
                           delay=self.settings.retry_later_seconds, key_digest=work.digest)
+        traceback = bounded(format_exception(exc, work.key))
         if isinstance(exc, TerminalError):
-            return await self.dead(work, exc.reason, detail, ex)
+            return await self.dead(work, exc.reason, detail, ex, traceback=traceback)
         limit = work.spec.max_deliveries or self.settings.max_deliveries
         if work.attempts >= limit:
-            return await self.dead(work, "retries_exhausted", detail, ex)
+            return await self.dead(work, "retries_exhausted", detail, ex, traceback=traceback)
         if give_back is not None:
             await give_back(detail)
-        work.log(logging.WARNING, f"handler failed; delivery {work.attempts} of {limit} will be retried ({detail})")
+        work.log(logging.WARNING, f"handler failed; delivery {work.attempts} of {limit} will be retried ({detail})",
+                 traceback)
         delay = exc.delay if isinstance(exc, RetryableError) and exc.delay is not None else None
         return Result(Outcome.RETRY, Settlement.RETRY_LATER, "handler_failed",
                       delay=self.settings.retry_later_seconds if delay is None else delay, key_digest=work.digest)
@@ -171,21 +177,24 @@ class Fate:
                       key_digest=work.digest)
 
     async def dead(self, work: Work, reason: str, detail: str, ex: Executor | None,
-                   outcome: Outcome = Outcome.DEAD_LETTERED) -> Result:
-        """Park the delivery and its key, in one transaction on ``ex`` (see :func:`usable`)."""
+                   outcome: Outcome = Outcome.DEAD_LETTERED, *, traceback: str | None = None) -> Result:
+        """Park the delivery and its key, in one transaction on ``ex`` (see :func:`usable`); with the
+        ``traceback`` (redacted) of the exception that parked it, logged at ERROR and kept with it."""
         claim = work.claim
         assert claim is not None
         stores = self.stores
         async with usable(stores.database, ex) as on, on.begin():
             await stores.inbox.mark_dead(on, work.spec.consumer, claim.digest, claim.lease_token, reason=reason)
-            await self.park(work.spec, work.delivery, claim.digest, reason, detail, attempts=work.attempts, ex=on)
-        work.log(logging.WARNING, f"delivery parked: {reason} ({detail})")
+            await self.park(work.spec, work.delivery, claim.digest, reason, detail, attempts=work.attempts, ex=on,
+                            traceback=traceback)
+        work.log(logging.WARNING if traceback is None else logging.ERROR, f"delivery parked: {reason} ({detail})",
+                 traceback)
         return Result(outcome, Settlement.DEAD_LETTER, reason, key_digest=work.digest)
 
     async def park(self, spec: HandlerSpec, delivery: Delivery, digest: str | None, reason: str, detail: str,
-                   *, attempts: int, ex: Executor | None) -> None:
-        """Keep the delivery (raw body, headers, reason) for an operator, on ``ex`` (see :func:`usable`);
-        never drop it."""
+                   *, attempts: int, ex: Executor | None, traceback: str | None = None) -> None:
+        """Keep the delivery (raw body, headers, reason, the redacted ``traceback`` of what parked it)
+        for an operator, on ``ex`` (see :func:`usable`); never drop it."""
         async with usable(self.stores.database, ex) as on:
             await self.stores.dead_letters.park(
                 on, consumer=spec.consumer, source=spec.source.name, namespace=spec.source.namespace,
@@ -194,7 +203,7 @@ class Fate:
                 # The id only of a keyed delivery: its key was valid, so the id fits the column (an
                 # invalid one may be longer, or hold a NUL PostgreSQL cannot store) and serves a replay.
                 delivery_id=delivery.id if digest is not None else None, attributes=delivery.attributes,
-                fingerprint=delivery.fingerprint(),
+                fingerprint=delivery.fingerprint(), traceback=traceback,
             )
         metrics.DEAD_LETTERS.labels(spec.source.name, reason).inc()
         if digest is None:

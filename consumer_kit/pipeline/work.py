@@ -54,9 +54,12 @@ class Work:
         """Deliveries of this key so far, as the inbox counted them or the source did."""
         return max(self.claim.attempts if self.claim is not None else 0, self.delivery.attempt)
 
-    def log(self, level: int, message: str) -> None:
-        """Log with the key's namespace and digest, never the key itself."""
+    def log(self, level: int, message: str, traceback: str | None = None) -> None:
+        """Log with the key's namespace and digest, never the key itself; ``traceback`` (redacted) on
+        the lines after the message, in the same record (not as ``exc_info``, which a formatter would
+        print unredacted)."""
         if not log.isEnabledFor(level):  # most deliveries log at DEBUG: build nothing for them
             return
-        log.log(level, "%s [%s:v%d %s]", message, self.key.namespace, self.key.version, self.digest,
+        log.log(level, "%s [%s:v%d %s]%s", message, self.key.namespace, self.key.version, self.digest,
+                "" if traceback is None else "\n" + traceback.rstrip("\n"),
                 extra={"namespace": self.key.namespace, "key_digest": self.digest})
