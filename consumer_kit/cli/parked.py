@@ -4,15 +4,16 @@
 
     consumer-kit parked list     [filters] [--limit N] [--show-body]    newest first
     consumer-kit parked groups   [filters]                              counts by reason and source
-    consumer-kit parked show ID  [--show-body]                          one, with its headers and history
+    consumer-kit parked show ID  [--show-body]                          one: traceback, headers, history
     consumer-kit parked replay module:app [--id ID ...] [filters] [--max N] [--rate R] [--dry-run]
                                  [--accept-new-body] [--include-replayed]
     consumer-kit parked discard  (--id ID ... | filters | --all) --yes
 
-Filters: ``--namespace --reason --source --consumer --since``. Output is JSON lines (``--format json``,
-the default, for scripts) or a table (``--format table``). ``dead-letters`` is the same command under
-its old name. Keys are shown only as the first 16 digits of their digest; a body only when asked.
-Replay semantics are :mod:`consumer_kit.replay`'s.
+Filters: ``--namespace --reason --source --consumer --since``. An ID is a parked delivery's id or its
+first digits, as long as they are no other's. Output is JSON lines (``--format json``, the default, for
+scripts) or a table (``--format table``). ``dead-letters`` is the same command under its old name.
+Keys are shown only as the first 16 digits of their digest; a body only when asked. Replay semantics
+are :mod:`consumer_kit.replay`'s.
 """
 
 from __future__ import annotations
@@ -23,10 +24,11 @@ import json
 import re
 import socket
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from consumer_kit.cli.output import add_format, print_rows
 from consumer_kit.errors import ConfigurationError
 from consumer_kit.replay import ReplayReport
 from consumer_kit.settings import Settings
@@ -85,20 +87,21 @@ def add_commands(commands: Any, common: argparse.ArgumentParser, formatter: type
     listing.add_argument("--limit", type=positive(int), default=50, help="how many to show at most")
     listing.add_argument("--show-body", "--bodies", dest="show_body", action="store_true",
                          help="include each raw body (as UTF-8 text)")
-    output(listing)
+    add_format(listing)
     listing.set_defaults(func=lambda a: run(_list(a)))
 
     groups = sub.add_parser("groups", parents=[common], formatter_class=formatter,
                             help="how many are parked, by reason and source")
     filters(groups)
-    output(groups)
+    add_format(groups)
     groups.set_defaults(func=lambda a: run(_groups(a)))
 
     show = sub.add_parser("show", parents=[common], formatter_class=formatter,
-                          help="one parked delivery, with its headers and its replays")
-    show.add_argument("id", help="the parked delivery's id (from list)")
+                          help="one parked delivery, with its traceback, its headers and its replays")
+    show.add_argument("id", help="the parked delivery's id (from list), or enough of its first digits to be no "
+                      "other's")
     show.add_argument("--show-body", action="store_true", help="include the raw body (as UTF-8 text)")
-    output(show)
+    add_format(show)
     show.set_defaults(func=lambda a: run(_show(a)))
 
     _add_replay(sub.add_parser(
@@ -112,7 +115,7 @@ def add_commands(commands: Any, common: argparse.ArgumentParser, formatter: type
     discard = sub.add_parser("discard", parents=[common], formatter_class=formatter,
                              help="delete parked deliveries for good (needs --yes)")
     discard.add_argument("--id", dest="ids", action="append", default=[], metavar="ID",
-                         help="discard this parked delivery (repeat for more)")
+                         help="discard this parked delivery, by its id or its first digits (repeat for more)")
     filters(discard)
     discard.add_argument("--all", action="store_true", help="every parked delivery (when no --id or filter is given)")
     discard.add_argument("--yes", action="store_true", help="really delete them (without it, nothing is deleted)")
@@ -132,17 +135,11 @@ def filters(parser: argparse.ArgumentParser) -> None:
                              "instant with a zone")
 
 
-def output(parser: argparse.ArgumentParser) -> None:
-    """The ``--format`` option."""
-    parser.add_argument("--format", choices=("json", "table"), default="json",
-                        help="JSON lines (for scripts) or an aligned table (for people)")
-
-
 def _add_replay(parser: argparse.ArgumentParser, run: Callable[[Any], int], load_app: Loader) -> None:
     parser.add_argument("app", help="module:app, the app whose handlers and sources the deliveries belong to")
     parser.add_argument("--id", dest="ids", action="append", default=[], metavar="ID",
-                        help="replay this parked delivery (repeat for more); without --id, the oldest matching "
-                             "the filters")
+                        help="replay this parked delivery, by its id or its first digits (repeat for more); "
+                             "without --id, the oldest matching the filters")
     filters(parser)
     parser.add_argument("--max", type=positive(int), default=100, help="replay at most this many")
     parser.add_argument("--rate", type=positive(float), default=None, metavar="PER_SECOND",
@@ -154,7 +151,7 @@ def _add_replay(parser: argparse.ArgumentParser, run: Callable[[Any], int], load
     parser.add_argument("--include-replayed", action="store_true",
                         help="with filters, also those replayed before (--id always includes them)")
     parser.add_argument("--actor", default=_whoami(), help="who is replaying, for the record")
-    output(parser)
+    add_format(parser)
     parser.set_defaults(func=lambda a: run(_replay(a, load_app)))
 
 
@@ -195,47 +192,26 @@ def _instant(value: datetime | None) -> str | None:
     return None if value is None else value.isoformat()
 
 
-def _summary(letter: DeadLetter, *, body: bool) -> dict[str, Any]:
+def _summary(letter: DeadLetter, *, body: bool, traceback: bool = False) -> dict[str, Any]:
     # The key appears only as the first digits of its keyed digest, as everywhere else; the delivery id
-    # (the key's own id) never.
+    # (the key's own id) never. The traceback was redacted before it was stored.
     return {
         "id": letter.id, "created_at": _instant(letter.created_at), "consumer": letter.consumer,
         "source": letter.source, "namespace": letter.namespace, "version": letter.version,
         "key_digest": letter.key_digest[:16] if letter.key_digest else None, "reason": letter.reason,
-        "detail": letter.detail, "attempts": letter.attempts, "body_bytes": len(letter.body),
+        "detail": letter.detail, **({"traceback": letter.traceback} if traceback else {}),
+        "attempts": letter.attempts, "body_bytes": len(letter.body),
         "replays": letter.replays, "replayed_at": _instant(letter.replayed_at),
         "body": letter.body.decode("utf-8", "replace") if body else None,
     }
-
-
-def _print(rows: Sequence[dict[str, Any]], fmt: str, columns: Sequence[str]) -> None:
-    if fmt == "json":
-        for row in rows:
-            print(json.dumps(row))
-        return
-    # A table of a few columns is a dozen lines; not worth a dependency.
-    cells = [[_cell(row.get(column)) for column in columns] for row in rows]
-    widths = [max([len(column)] + [len(line[i]) for line in cells]) for i, column in enumerate(columns)]
-    print("  ".join(column.upper().ljust(width) for column, width in zip(columns, widths, strict=True)).rstrip())
-    for line in cells:
-        print("  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip())
-    if not rows:
-        print("(none)")
-
-
-def _cell(value: Any) -> str:
-    if value is None:
-        return "-"
-    text = str(value).replace("\n", " ")
-    return text if len(text) <= 60 else text[:59] + "…"
 
 
 async def _list(args: argparse.Namespace) -> int:
     async with _Store() as store:
         letters = await store.list(where=_where(args), limit=args.limit)
     columns = ["id", "created_at", "source", "reason", "key_digest", "attempts", "replays", "detail"]
-    _print([_summary(letter, body=args.show_body) for letter in letters], args.format,
-           [*columns, "body"] if args.show_body else columns)
+    print_rows([_summary(letter, body=args.show_body) for letter in letters], args.format,
+               [*columns, "body"] if args.show_body else columns)
     return 0
 
 
@@ -244,17 +220,26 @@ async def _groups(args: argparse.Namespace) -> int:
         groups = await store.groups(_where(args))
     rows = [{"reason": g.reason, "source": g.source, "parked": g.parked, "replayed": g.replayed,
              "oldest": _instant(g.oldest), "newest": _instant(g.newest)} for g in groups]
-    _print(rows, args.format, ["reason", "source", "parked", "replayed", "oldest", "newest"])
+    print_rows(rows, args.format, ["reason", "source", "parked", "replayed", "oldest", "newest"])
     return 0
+
+
+async def _named(store: DeadLetters, given: str) -> DeadLetter:
+    """The parked delivery ``given`` names: its id, or the first digits of its id and of no other's."""
+    found, letter = await store.matching(given)
+    if letter is not None:
+        return letter
+    if found > 1:
+        raise ConfigurationError(f"{found} parked deliveries have an id starting with {given!r}: give more of its "
+                                 "digits (ids come from `consumer-kit parked list`)")
+    raise ConfigurationError(f"no parked delivery {given!r} (ids come from `consumer-kit parked list`)")
 
 
 async def _show(args: argparse.Namespace) -> int:
     async with _Store() as store:
-        letter = await store.get(args.id)
-        history = await store.history(args.id) if letter is not None else []
-    if letter is None:
-        raise ConfigurationError(f"no parked delivery {args.id!r} (ids come from `consumer-kit parked list`)")
-    shown = {**_summary(letter, body=args.show_body), "headers": dict(letter.headers),
+        letter = await _named(store, args.id)
+        history = await store.history(letter.id)
+    shown = {**_summary(letter, body=args.show_body, traceback=True), "headers": dict(letter.headers),
              "attributes": dict(letter.attributes or {}),
              "history": [{"action": h.action, "actor": h.actor, "at": _instant(h.acted_at), "outcome": h.outcome,
                           "detail": h.detail} for h in history]}
@@ -268,6 +253,10 @@ async def _show(args: argparse.Namespace) -> int:
             print(f"{name}:")
             for header, text in value.items():
                 print(f"  {header}: {text}")
+        elif name == "traceback":
+            print("traceback:" if value else "traceback: -")
+            for line in (value or "").splitlines():
+                print(f"  {line}")
         elif name == "history":
             print("history:")
             for entry in value:
@@ -284,11 +273,11 @@ async def _show(args: argparse.Namespace) -> int:
 async def _selected(store: DeadLetters, args: argparse.Namespace, *, limit: int | None,
                     replayed: bool | None) -> list[DeadLetter]:
     if args.ids:
-        found = [await store.get(letter_id) for letter_id in args.ids]
-        missing = [i for i, letter in zip(args.ids, found, strict=True) if letter is None]
-        if missing:
-            raise ConfigurationError(f"no parked delivery {missing[0]!r} (ids come from `consumer-kit parked list`)")
-        return [letter for letter in found if letter is not None]
+        named: dict[str, DeadLetter] = {}  # by id: two prefixes of one delivery name it once
+        for given in args.ids:
+            letter = await _named(store, given)
+            named[letter.id] = letter
+        return list(named.values())
     return await store.list(where=_where(args, replayed=replayed), limit=limit or 1_000_000, oldest_first=True)
 
 
@@ -310,7 +299,8 @@ async def _replay(args: argparse.Namespace, load_app: Loader) -> int:
             if args.format == "json":
                 print(json.dumps(_reported(report)), flush=True)
     if args.format == "table":
-        _print([_reported(r) for r in reports], "table", ["id", "source", "reason", "action", "key_digest", "detail"])
+        print_rows([_reported(r) for r in reports], "table",
+                   ["id", "source", "reason", "action", "key_digest", "detail"])
     counts: dict[str, int] = {}
     for report in reports:
         counts[report.action] = counts.get(report.action, 0) + 1

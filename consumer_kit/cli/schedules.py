@@ -1,5 +1,5 @@
 """``consumer-kit schedule run|list``: fire one tick of a schedule by hand (for an external cron), and
-show each schedule's last and next fire."""
+show each schedule's last and next fire (JSON lines, or a table: ``--format``, as ``parked`` has it)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from consumer_kit.app import ConsumerApp
 from consumer_kit.cli.db import refuse_missing
+from consumer_kit.cli.output import add_format, print_rows
 from consumer_kit.cli.running import load_app
 from consumer_kit.delivery import Outcome, Result, Settlement
 from consumer_kit.errors import ConfigurationError
@@ -88,8 +89,13 @@ async def schedule_run(args: argparse.Namespace) -> int:
     return SCHEDULE_EXIT_CODES[status]
 
 
+LIST_COLUMNS = ("schedule", "version", "consumer", "timing", "catch_up", "overlap", "last_fired", "last_state",
+                "last_reason", "next_fire", "pending", "skipped")
+"""The columns of ``schedule list --format table``; its JSON lines hold these and ``recent_skips``."""
+
+
 async def schedule_list(args: argparse.Namespace) -> int:
-    """``schedule list module:app``: a JSON line a schedule."""
+    """``schedule list module:app [--format json|table]``: a JSON line a schedule, or a table."""
     from consumer_kit.sources.schedules import Schedule
     from consumer_kit.sources.schedules.timing import key_id
 
@@ -99,20 +105,22 @@ async def schedule_list(args: argparse.Namespace) -> int:
     def instant(value: datetime | None) -> str | None:
         return None if value is None else key_id(value)
 
+    rows: list[dict[str, Any]] = []
     async with app.running(sources=()):
         for spec in app.specs:
             if not isinstance(spec.source, Schedule):
                 continue
             status = await spec.source.status(recent=args.recent)
             last = status.last_fired
-            print(json.dumps({
+            rows.append({
                 "schedule": status.name, "version": status.version, "consumer": spec.consumer,
                 "timing": status.timing, "catch_up": spec.source.catch_up, "overlap": spec.source.overlap,
                 "last_fired": instant(last.tick) if last else None, "last_state": last.state if last else None,
                 "last_reason": last.reason if last else None, "next_fire": instant(status.next_fire),
                 "pending": [instant(p.tick) for p in status.pending], "skipped": status.skipped,
                 "recent_skips": [{"scheduled_for": instant(s.tick), "reason": s.reason} for s in status.recent_skips],
-            }))
+            })
+    print_rows(rows, args.format, LIST_COLUMNS)
     return 0
 
 
@@ -135,4 +143,5 @@ def add_commands(commands: Any, command: Callable[..., argparse.ArgumentParser])
     shown = command(schedule_commands, "list", help="each schedule's last and next fire and skipped ticks")
     shown.add_argument("app", help="module:app")
     shown.add_argument("--recent", type=int, default=10, help="how many skipped and pending ticks to show")
+    add_format(shown)
     shown.set_defaults(func=lambda a: asyncio.run(schedule_list(a)))

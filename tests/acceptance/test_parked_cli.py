@@ -1,12 +1,14 @@
 """``consumer-kit parked`` (and its old name ``dead-letters``) on SQLite and PostgreSQL, through the
 command's entry function: list, groups, show, replay (in process, for a source without a queue) and
-discard, with their filters and formats; and the app's own table made by ``consumer-kit db upgrade``
-from ``APP_MIGRATIONS`` before any delivery arrives."""
+discard, with their filters and formats, naming a parked delivery by its id or its first digits; the
+traceback of the handler's exception that parked one; and the app's own table made by ``consumer-kit db
+upgrade`` from ``APP_MIGRATIONS`` before any delivery arrives."""
 
 from __future__ import annotations
 
 import asyncio
 import importlib
+from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
 from types import ModuleType
@@ -103,7 +105,15 @@ async def test_parked_commands_list_group_show_replay_and_discard(db: str, tmp_p
     shown = (await run("parked", "show", not_ready["id"])).json()[0]
     assert shown["reason"] == "not_ready" and "body" not in shown and shown["history"] == []
     assert (await run("parked", "show", not_ready["id"], "--show-body")).json()[0]["body"] == '{"park": true}'
-    assert "key_digest: " in (await run("parked", "show", not_ready["id"], "--format", "table")).out
+    parked_by = shown["traceback"]  # the handler's TerminalError, where it was raised
+    assert parked_by.startswith("Traceback (most recent call last):") and 'parked_app.py", line' in parked_by
+    assert parked_by.rstrip().endswith("consumer_kit.errors.TerminalError: the app is not ready for it yet")
+    assert (await run("parked", "show", not_ready["id"][:8].upper())).json()[0] == shown  # its first digits do
+    conflict_id = letters["conflict:parked-test"]["id"]
+    assert (await run("parked", "show", conflict_id[:8])).json()[0]["traceback"] is None  # no exception parked it
+    table = await run("parked", "show", not_ready["id"], "--format", "table")
+    assert "key_digest: " in table.out and "\nreason: not_ready\ndetail: " in table.out
+    assert "\ntraceback:\n  Traceback (most recent call last):\n" in table.out
     missing = await run("parked", "show", "nope")
     assert missing.code == 2 and missing.err_lines == ["consumer-kit: no parked delivery 'nope' (ids come from "
                                                        "`consumer-kit parked list`)"]
@@ -119,7 +129,7 @@ async def test_parked_commands_list_group_show_replay_and_discard(db: str, tmp_p
     assert (await run("parked", "show", not_ready["id"])).json()[0]["replays"] == 0
 
     # Replayed before the fix: parked again (a new parked row), under the same key.
-    again = await run("parked", "replay", f"{APP}:app", "--id", not_ready["id"], "--actor", "ops@test")
+    again = await run("parked", "replay", f"{APP}:app", "--id", not_ready["id"][:8], "--actor", "ops@test")
     assert again.json()[0]["action"] == "parked" and again.json()[0]["key_digest"] == not_ready["key_digest"]
     assert again.code == 0
     (tmp_path / "fixed").touch()  # the operator deploys the fix, then replays what is not replayed yet
@@ -135,7 +145,6 @@ async def test_parked_commands_list_group_show_replay_and_discard(db: str, tmp_p
         ("replay", "ops@test", "parked"), ("replay", "ops@test", "duplicate")]
 
     # A conflict runs only when the operator accepts its body under the key.
-    conflict_id = letters["conflict:parked-test"]["id"]
     refused = await run("parked", "replay", f"{APP}:app", "--id", conflict_id)
     assert refused.json()[0]["action"] == "skipped" and refused.code == 1
     accepted = await run("parked", "replay", f"{APP}:app", "--id", conflict_id, "--accept-new-body")
@@ -155,3 +164,21 @@ async def test_parked_commands_list_group_show_replay_and_discard(db: str, tmp_p
     assert (await run("parked", "list", "--reason", "missing_stable_id")).json() == []
     left = (await run("parked", "list", "--limit", "50")).json()
     assert len(left) == 4  # the two not_ready of parked-test (the first and its re-park), the conflict, the other
+
+    # The first digits of an id name it to discard too; digits that begin two ids or more name none.
+    gone = await run("parked", "discard", "--id", letters["not_ready:parked-other"]["id"][:8], "--yes")
+    assert gone.code == 0 and "discarded 1" in gone.err
+    module = fresh_app()
+    async with module.app.running(sources=()):
+        for _ in range(16):  # 17 ids, 16 hex digits: at least two begin with the same one
+            await module.app.dead_letters.park(consumer="parked_main", source="memory:parked-test",
+                                               namespace="parked-test", version=1, key_digest=None,
+                                               reason="missing_stable_id", body=b"{}", headers={}, attempts=1)
+    ids = [row["id"] for row in (await run("parked", "list", "--limit", "50")).json()]
+    digit, many = Counter(i[0] for i in ids).most_common(1)[0]
+    for argv in (["discard", "--id", digit, "--yes"], ["replay", f"{APP}:app", "--id", ids[0], "--id", digit]):
+        refused = await run("parked", *argv)
+        assert refused.code == 2 and refused.err_lines == [
+            f"consumer-kit: {many} parked deliveries have an id starting with '{digit}': give more of its digits "
+            "(ids come from `consumer-kit parked list`)"]
+    assert len((await run("parked", "list", "--limit", "50")).json()) == len(ids) == 19  # nothing went

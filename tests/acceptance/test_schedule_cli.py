@@ -1,5 +1,6 @@
 """``consumer-kit schedule run`` and ``schedule list`` as an external cron runs them: two invocations
-at once run a tick once, and the exit code says what happened. The nightly-report example, exercised."""
+at once run a tick once, and the exit code says what happened; ``schedule list`` prints JSON lines or a
+table of the same fields. The nightly-report example, exercised."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import asyncio
 import importlib
 import json
 import os
+import re
 import signal
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -17,6 +19,7 @@ import pytest
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from consumer_kit.cli.output import cell
 from consumer_kit.keys import KeyDigester, OperationKey
 from consumer_kit.sources.schedules.timing import is_tick, key_id
 from consumer_kit.store import create_engine, inbox, upgrade
@@ -196,3 +199,43 @@ async def test_a_run_stopped_by_sigterm_gives_its_lease_back(tmp_path: Path) -> 
     code, answer, _ = await run(*fire[1:], "--wait", "0", env=environment(database))
     assert (code, answer and answer["status"]) == (0, "processed")
     assert await rows(database, select(schedule_app.effects.c.tick)) == [(tick,)]
+
+
+async def printed(*args: str, env: dict[str, str]) -> str:
+    """What ``consumer-kit <args>`` printed on stdout (it must exit 0)."""
+    process = await asyncio.create_subprocess_exec(CLI, "--log-level", "WARNING", *args, cwd=ROOT, env=env,
+                                                   stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await asyncio.wait_for(process.communicate(), 60)
+    assert process.returncode == 0, err.decode()
+    return out.decode()
+
+
+async def test_schedule_list_prints_json_lines_or_a_table_of_the_same_fields(database: str) -> None:
+    env = environment(database, REPORT_FAIL="1", MAX_DELIVERIES="1", RETRY_ATTEMPTS="1")
+    await init("tests.acceptance.schedule_app", env)
+    app = "tests.acceptance.schedule_app:app"
+    tick = an_hour_ago()
+    assert (await run("schedule", "run", app, "report", "--at", tick, env=env))[0] == 5  # parked
+
+    def steady(output: str) -> dict[str, dict[str, object]]:  # by schedule; the ticker's next fire moves on
+        return {row["schedule"]: {**row, "next_fire": None} for row in map(json.loads, output.splitlines())}
+
+    listed = steady(await printed("schedule", "list", app, "--format", "json", env=env))
+    assert steady(await printed("schedule", "list", app, env=env)) == listed  # JSON lines stay the default
+    assert set(listed) == {"report", "ticker"}
+    report = listed["report"]
+    assert (report["last_fired"], report["last_state"], report["last_reason"]) == (tick, "parked", "retries_exhausted")
+    assert report["timing"] == "cron 0 * * * * UTC" and listed["ticker"]["last_fired"] is None
+
+    before = datetime.now(UTC).replace(microsecond=0)
+    table = (await printed("schedule", "list", app, "--format", "table", env=env)).splitlines()
+    columns = [name.lower() for name in table[0].split()]
+    assert columns[:4] == ["schedule", "version", "consumer", "timing"] and "next_fire" in columns
+    assert len(table) == 1 + len(listed)
+    for line in table[1:]:
+        cells = re.split(r"\s{2,}", line)  # cells are two spaces apart; none holds two spaces itself
+        row = listed[cells[0]]
+        assert set(columns) <= set(row)  # every field the table shows is in the JSON line
+        assert [text for text, column in zip(cells, columns, strict=True) if column != "next_fire"] == [
+            cell(row[column]) for column in columns if column != "next_fire"]
+        assert datetime.fromisoformat(cells[columns.index("next_fire")].replace("Z", "+00:00")) >= before
