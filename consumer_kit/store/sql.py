@@ -281,9 +281,9 @@ SWEEP_OUTBOX = Statement(
 
 INSERT_DEAD_LETTER = Statement(
     "INSERT INTO dead_letters (id, consumer, source, namespace, version, key_digest, reason, detail, body,"
-    " headers, attempts, created_at, delivery_id, attributes, fingerprint, replays)"
+    " headers, attempts, created_at, delivery_id, attributes, fingerprint, replays, traceback)"
     " VALUES (:id, :consumer, :source, :namespace, :version, :key_digest, :reason, :detail, :body, :headers,"
-    " :attempts, :created_at, :delivery_id, :attributes, :fingerprint, 0)"
+    " :attempts, :created_at, :delivery_id, :attributes, :fingerprint, 0, :traceback)"
 )
 # An unset filter is NULL; the CASTs give PostgreSQL the parameter's type where it is first seen (on
 # SQLite they only take part in the IS NULL test). ``replayed``: 1 only replayed ones, 0 only others.
@@ -297,7 +297,7 @@ _DEAD_LETTER_FILTERS = (
     " OR (CAST(:replayed AS integer) = 0 AND replays = 0))"
 )
 _DEAD_LETTER_COLUMNS = ("id, consumer, source, namespace, version, key_digest, reason, detail, body, headers,"
-                        " attempts, created_at, delivery_id, attributes, fingerprint, replays, replayed_at")
+                        " attempts, created_at, delivery_id, attributes, fingerprint, replays, replayed_at, traceback")
 LIST_DEAD_LETTERS = Statement(
     f"SELECT {_DEAD_LETTER_COLUMNS} FROM dead_letters WHERE {_DEAD_LETTER_FILTERS}"
     " ORDER BY created_at DESC, id LIMIT :limit")
@@ -311,6 +311,8 @@ GROUP_DEAD_LETTERS = Statement(
     f" sum(CASE WHEN replays > 0 THEN 1 ELSE 0 END) AS replayed FROM dead_letters WHERE {_DEAD_LETTER_FILTERS}"
     " GROUP BY reason, source ORDER BY count(*) DESC, reason, source")
 GET_DEAD_LETTER = Statement(f"SELECT {_DEAD_LETTER_COLUMNS} FROM dead_letters WHERE id = :id")
+# How many ids start with a prefix (of hex digits only: no LIKE wildcard), and the one when it is one.
+MATCH_DEAD_LETTERS = Statement("SELECT count(*) AS matching, min(id) AS id FROM dead_letters WHERE id LIKE :pattern")
 DELETE_DEAD_LETTER = Statement("DELETE FROM dead_letters WHERE id = :id")
 MARK_REPLAYED = Statement("UPDATE dead_letters SET replays = replays + 1, replayed_at = :now WHERE id = :id")
 INSERT_PARKED_AUDIT = Statement(
