@@ -249,6 +249,7 @@ class ConsumerApp:
             tracer=tracer,
             on_fatal=self._fail,
         )
+        metrics.declare(spec.source for spec in self.specs)  # every series it can name, at 0 (see metrics)
         self._drained = asyncio.Event()
         self._drained.set()
         self._sweeper = asyncio.create_task(self._sweep_forever(), name="consumer-kit-sweeper")
