@@ -16,7 +16,7 @@ EXPECTED: dict[str, dict[str, int]] = {
     "docs/handlers.md": dict(found=22, run=12, written=3, checked=0, outputs=7, shown=0, not_run=0),
     "docs/inbox-outbox.md": dict(found=4, run=2, written=0, checked=0, outputs=2, shown=0, not_run=0),
     "docs/index.md": dict(found=0, run=0, written=0, checked=0, outputs=0, shown=0, not_run=0),
-    "docs/operating/cli.md": dict(found=9, run=5, written=1, checked=0, outputs=3, shown=0, not_run=0),
+    "docs/operating/cli.md": dict(found=14, run=7, written=2, checked=0, outputs=5, shown=0, not_run=0),
     "docs/operating/compose.md": dict(found=3, run=1, written=0, checked=0, outputs=0, shown=0, not_run=2),
     "docs/operating/metrics.md": dict(found=5, run=2, written=1, checked=0, outputs=2, shown=0, not_run=0),
     "docs/operating/parked.md": dict(found=13, run=6, written=1, checked=0, outputs=6, shown=0, not_run=0),
@@ -31,4 +31,4 @@ EXPECTED: dict[str, dict[str, int]] = {
     "docs/testing.md": dict(found=9, run=3, written=3, checked=0, outputs=3, shown=0, not_run=0),
 }
 
-TOTAL = dict(found=182, run=89, written=23, checked=1, outputs=60, shown=3, not_run=6)
+TOTAL = dict(found=187, run=91, written=24, checked=1, outputs=62, shown=3, not_run=6)
