@@ -20,13 +20,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import event
-from sqlalchemy.exc import DisconnectionError
+from sqlalchemy.exc import DBAPIError, DisconnectionError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from consumer_kit.store.driver_errors import connection_ended, ended_by_the_server, taken_back
 from consumer_kit.store.executor import AsyncpgExecutor, Executor, SqlAlchemyExecutor, to_the_end
 
 if TYPE_CHECKING:
     import asyncpg
+    from sqlalchemy.engine import ExceptionContext
 
 log = logging.getLogger("consumer_kit.store")
 
@@ -77,6 +79,8 @@ class Database:
         # the engine's disposal.
         if self.asyncpg and not event.contains(engine.sync_engine, "checkout", _checked_out):
             event.listen(engine.sync_engine, "checkout", _checked_out)
+            # A dialect event: it costs a statement nothing until one fails.
+            event.listen(engine.sync_engine, "handle_error", _ended_under_a_statement)
 
     def connect(self, *, session: bool = False) -> contextlib.AbstractAsyncContextManager[Executor]:
         """A connection for a unit of work; statements autocommit outside ``begin()``. ``session``: it
@@ -168,9 +172,13 @@ class _PoolCheckout:
 
     async def __aexit__(self, *exc_info: object) -> None:
         executor = self._executor
-        if not executor.discarded and executor.driver.is_in_transaction():
+        if not executor.discarded and executor.in_transaction():
             executor.discard()
-        await self._pool.release(executor.driver)
+        try:
+            await self._pool.release(executor.driver)
+        except Exception as exc:
+            if not taken_back(exc):
+                raise
 
 
 class _SessionCheckout:
@@ -203,7 +211,7 @@ class _SessionCheckout:
             try:
                 await executor.close_session()
             finally:
-                if executor.discarded or executor.driver.is_in_transaction():
+                if executor.discarded or executor.in_transaction():
                     executor.discard()
                     await conn.invalidate()
         finally:
@@ -226,6 +234,23 @@ async def _transaction_scoped_reset(connection: asyncpg.Connection) -> None:
     """Pool reset: nothing beyond what asyncpg always does (end a transaction left open). Like
     SQLAlchemy's pool, the store's resets only what a transaction scopes: its statements change no
     session state, and asyncpg's full reset would cost a round trip per checkout."""
+
+
+def _ended_under_a_statement(context: ExceptionContext) -> BaseException | None:
+    """``handle_error``: a statement through SQLAlchemy (``ctx.db``) that met the server's end of its
+    connection halfway (:func:`~consumer_kit.store.driver_errors.ended_by_the_server`) fails with the error
+    SQLAlchemy raises for a connection lost under a statement, invalidated, as the store's do. (SQLAlchemy
+    chains the driver's own error under it, as it does for every error.)"""
+    original = context.original_exception
+    if not ended_by_the_server(original.__cause__):
+        return None
+    context.is_disconnect = True
+    dbapi_error = context.dialect.loaded_dbapi.Error
+    lost = connection_ended()
+    orig = dbapi_error(f"{type(lost)}: {lost}")  # the form SQLAlchemy's asyncpg adapter gives driver errors
+    orig.__cause__ = lost
+    return DBAPIError.instance(context.statement, context.parameters, orig, dbapi_error,
+                               connection_invalidated=True, dialect=context.dialect)
 
 
 def _checked_out(dbapi_connection: Any, _record: Any, _proxy: Any) -> None:

@@ -22,6 +22,8 @@ engine refuses a connection that is closed or inside a transaction (SQLAlchemy's
 ``checkout`` + ``DisconnectionError`` pattern), so that even a connection whose invalidation was itself
 cancelled cannot carry a stale transaction into the next delivery. (Without this, later "transactions"
 on such a connection would run as savepoints inside one that never commits, and be acknowledged.)
+A statement or transaction that meets a connection the server ended fails as the lost connection it
+is, whichever turn of the event loop asyncpg read the end in (:mod:`.driver_errors`).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from sqlalchemy import TextClause, bindparam, text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
 from consumer_kit.store.database import DEFERRED
+from consumer_kit.store.driver_errors import connection_ended, ended_by_the_server
 from consumer_kit.store.sql import SQLALCHEMY_TYPES, TYPES, Statement
 
 if TYPE_CHECKING:
@@ -238,34 +241,77 @@ class AsyncpgExecutor(Executor):
     def driver(self) -> asyncpg.Connection:
         return self._driver
 
+    # Each statement says a connection the server ended as the lost connection it is (see ended_by_the_server).
+
     async def execute(self, statement: Statement, params: Params) -> int:
         sql, _, args = numbered(statement)
-        return _rowcount(await self._driver.execute(sql, *args(params)))
+        try:
+            return _rowcount(await self._driver.execute(sql, *args(params)))
+        except Exception as exc:
+            if ended_by_the_server(exc):
+                raise self.lost() from None
+            raise
 
     async def fetch_one(self, statement: Statement, params: Params) -> Row | None:
         sql, _, args = numbered(statement)
-        row: Row | None = await self._driver.fetchrow(sql, *args(params))
+        try:
+            row: Row | None = await self._driver.fetchrow(sql, *args(params))
+        except Exception as exc:
+            if ended_by_the_server(exc):
+                raise self.lost() from None
+            raise
         return row
 
     async def fetch_all(self, statement: Statement, params: Params) -> list[Row]:
         sql, _, args = numbered(statement)
-        rows: list[Row] = await self._driver.fetch(sql, *args(params))
+        try:
+            rows: list[Row] = await self._driver.fetch(sql, *args(params))
+        except Exception as exc:
+            if ended_by_the_server(exc):
+                raise self.lost() from None
+            raise
         return rows
 
     async def execute_many(self, statement: Statement, params: Sequence[Params]) -> None:
         if params:
             sql, _, args = numbered(statement)
-            await self._driver.executemany(sql, [args(p) for p in params])
+            try:
+                await self._driver.executemany(sql, [args(p) for p in params])
+            except Exception as exc:
+                if ended_by_the_server(exc):
+                    raise self.lost() from None
+                raise
 
     def begin(self, *, deferred: bool = False) -> contextlib.AbstractAsyncContextManager[None]:
         return _AsyncpgTransaction(self)
+
+    def lost(self) -> Exception:
+        """The error for a statement that met the server's end of the connection (see
+        :func:`ended_by_the_server`): asyncpg's for a lost connection. Nothing more runs on this one."""
+        self.discarded = True  # asyncpg closed it already: there is nothing to terminate
+        return connection_ended()
+
+    def in_transaction(self) -> bool:
+        """Whether the connection is inside a transaction; ``False`` once it is lost (asyncpg's pool takes a
+        lost connection back at once, and its handle then refuses every call, this one too)."""
+        try:
+            return bool(self._driver.is_in_transaction())
+        except Exception as exc:
+            import asyncpg
+
+            if isinstance(exc, asyncpg.InterfaceError):
+                return False
+            raise
 
     def discard(self) -> None:
         """Terminate the connection now (synchronously: nothing can interrupt it); the pool drops it."""
         if not self.discarded:
             self.discarded = True
             log.warning("a database connection was left in doubt (interrupted transaction); discarding it")
-            self._driver.terminate()
+            import asyncpg
+
+            with contextlib.suppress(asyncpg.InterfaceError):  # lost, and taken back by its pool already
+                self._driver.terminate()
 
 
 class _AsyncpgTransaction:
@@ -281,6 +327,11 @@ class _AsyncpgTransaction:
     async def __aenter__(self) -> None:
         try:
             await self._transaction.start()
+        except Exception as exc:
+            self._settled(False)
+            if ended_by_the_server(exc):
+                raise self._executor.lost() from None
+            raise
         except BaseException:
             self._settled(False)
             raise
@@ -288,6 +339,7 @@ class _AsyncpgTransaction:
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                         traceback: object) -> None:
         settled = False
+        executor = self._executor
         try:
             if exc is not None:
                 try:
@@ -296,15 +348,16 @@ class _AsyncpgTransaction:
                 except asyncio.CancelledError:
                     raise  # cancelled again while rolling back: discarded below
                 except Exception as rollback_error:  # discarded below; the first error wins
-                    raise exc from rollback_error
+                    raise exc from (executor.lost() if ended_by_the_server(rollback_error) else rollback_error)
                 return  # the block's exception goes on
             try:
                 await self._transaction.commit()
             except Exception as error:
+                if ended_by_the_server(error):
+                    raise executor.lost() from None
                 # The server refused the commit (a deferred constraint, a serialization failure): it
                 # answered, and the transaction is over. Anything else leaves it in doubt.
-                settled = getattr(error, "sqlstate", None) is not None \
-                    and not self._executor.driver.is_in_transaction()
+                settled = getattr(error, "sqlstate", None) is not None and not executor.in_transaction()
                 raise
             settled = True
         finally:
@@ -314,7 +367,7 @@ class _AsyncpgTransaction:
         # Not settled: start, commit or rollback was interrupted (cancelled, or the connection failed),
         # so whether a transaction is still open is unknown. Never let it be pooled.
         executor = self._executor
-        if not settled or (not executor.discarded and executor.driver.is_in_transaction()):
+        if not settled or (not executor.discarded and executor.in_transaction()):
             executor.discard()
 
 
