@@ -158,13 +158,14 @@ Stop it with Ctrl-C.
 """
 
 
-def announce_when_ready(url: str, message: str, *, every: float = 0.1) -> threading.Thread:
+def announce_when_ready(url: str, message: str, *, first: float = 0.05, longest: float = 0.25) -> threading.Thread:
     """Print ``message`` once ``url`` (the worker's ``/readyz``) answers 200, from a thread of its own:
     the curl it holds then reaches a bound port and a started app. The thread dies with the process."""
     # urllib rather than httpx: httpx logs every request at INFO, and this polls. No proxy for loopback.
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
     def wait_then_print() -> None:
+        pause = first
         while True:
             try:
                 with opener.open(url, timeout=2) as answer:
@@ -172,7 +173,8 @@ def announce_when_ready(url: str, message: str, *, every: float = 0.1) -> thread
                         break
             except OSError:  # refused (not listening yet), or 503 (not ready yet)
                 pass
-            time.sleep(every)
+            time.sleep(pause)
+            pause = min(pause * 2, longest)  # a worker that stays unready is asked (and logs) 4 times a second
         print(message, flush=True)
 
     thread = threading.Thread(target=wait_then_print, name="starter-announce", daemon=True)
