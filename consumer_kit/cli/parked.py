@@ -5,8 +5,8 @@
     consumer-kit parked list     [filters] [--limit N] [--show-body]    newest first
     consumer-kit parked groups   [filters]                              counts by reason and source
     consumer-kit parked show ID  [--show-body]                          one: traceback, headers, history
-    consumer-kit parked replay module:app [--id ID ...] [filters] [--max N] [--rate R] [--dry-run]
-                                 [--accept-new-body] [--include-replayed]
+    consumer-kit parked replay module:app [--app-dir DIR] [--id ID ...] [filters] [--max N] [--rate R]
+                                 [--dry-run] [--accept-new-body] [--include-replayed]
     consumer-kit parked discard  (--id ID ... | filters | --all) --yes
 
 Filters: ``--namespace --reason --source --consumer --since``. An ID is a parked delivery's id or its
@@ -14,6 +14,11 @@ first digits, as long as they are no other's. Output is JSON lines (``--format j
 scripts) or a table (``--format table``). ``dead-letters`` is the same command under its old name.
 Keys are shown only as the first 16 digits of their digest; a body only when asked. Replay semantics
 are :mod:`consumer_kit.replay`'s.
+
+Each command's ``--help`` lists the environment variables it reads: ``DATABASE_URL`` alone for the
+commands that need no app (:data:`STORE`), every setting for ``replay`` (the app's ``Settings()`` reads
+them). The store, the app and the replayer are imported only when a command runs, so ``--help`` and
+a usage error load none of them.
 """
 
 from __future__ import annotations
@@ -26,16 +31,31 @@ import socket
 import sys
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from consumer_kit.cli.output import add_format, print_rows
+from consumer_kit.cli.parsing import EVERY_SETTING, app_dir_option
 from consumer_kit.errors import ConfigurationError
-from consumer_kit.replay import ReplayReport
-from consumer_kit.settings import Settings
-from consumer_kit.store import Database, DeadLetter, DeadLetters, ParkedFilter, check_schema, create_engine
 
-Loader = Callable[[str], Any]
-"""Loads ``module:app`` (the CLI's ``load_app``)."""
+if TYPE_CHECKING:  # the store and the app are imported by the commands as they run, not by --help
+    from consumer_kit.app import ConsumerApp
+    from consumer_kit.replay import ReplayReport
+    from consumer_kit.store import DeadLetter, DeadLetters, ParkedFilter
+
+
+class Loader(Protocol):
+    """Loads ``module:app`` (the CLI's ``load_app``), looking in ``app_dir`` first when it is given."""
+
+    def __call__(self, target: str, *, app_dir: str | None = None) -> ConsumerApp: ...
+
+
+STORE = ("database_url",)
+"""What ``parked list|groups|show|discard`` read: they open DATABASE_URL and check consumer-kit's own
+schema, never the app's tables (so not APP_MIGRATIONS)."""
+
+ACTOR = "unset: LOGIN@HOST, your login name and this machine's"
+"""What ``--actor`` records when it is not given (looked up when the command runs, not in its help)."""
+
 
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)\s*([smhdw])$")
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
@@ -71,55 +91,81 @@ def positive(kind: type[int] | type[float]) -> Callable[[str], Any]:
     return parse
 
 
+Add = Callable[..., argparse.ArgumentParser]
+"""Makes one of ``parked``'s sub-commands: ``add(name, help=..., description=..., environment=...)``."""
+
+
 def add_commands(commands: Any, common: argparse.ArgumentParser, formatter: type[argparse.HelpFormatter],
                  run: Callable[[Any], int], load_app: Loader) -> None:
-    """Register ``parked`` (alias ``dead-letters``) and its sub-commands on ``commands``; ``run`` runs a
-    coroutine (``asyncio.run``), ``load_app`` loads ``module:app`` for replays."""
+    """Register ``parked`` (alias ``dead-letters``) and its sub-commands on ``commands`` (a
+    :class:`~consumer_kit.cli.parsing.Parser`'s, so ``environment=`` lists each one's variables);
+    ``run`` runs a coroutine (``asyncio.run``), ``load_app`` loads ``module:app`` for replays."""
     parked = commands.add_parser(
         "parked", aliases=["dead-letters"], parents=[common], formatter_class=formatter,
         help="inspect, replay and discard parked deliveries (dead letters)",
         description="Deliveries parked with their reason (dead letters): list them, count them by reason and "
         "source, show one, send them back through their handler under the same key, or discard them.")
     sub = parked.add_subparsers(dest="parked_command", required=True, metavar="COMMAND")
-    listing = sub.add_parser("list", parents=[common], formatter_class=formatter,
-                             help="the newest parked deliveries")
+
+    def add(name: str, **kwargs: Any) -> argparse.ArgumentParser:
+        parser: argparse.ArgumentParser = sub.add_parser(name, parents=[common], formatter_class=formatter,
+                                                         **kwargs)
+        return parser
+
+    _add_list(add, run)
+    _add_groups(add, run)
+    _add_show(add, run)
+    _add_replay(add, run, load_app)
+    _add_discard(add, run)
+
+
+def _add_list(add: Add, run: Callable[[Any], int]) -> None:
+    listing = add("list", help="the newest parked deliveries", environment=STORE,
+                  description="The newest parked deliveries first, each with its id, reason and detail, source, "
+                  "the first 16 digits of its key's digest (never the key), attempts and replays. The filters "
+                  "narrow them; a body is shown only with --show-body.")
     filters(listing)
-    listing.add_argument("--limit", type=positive(int), default=50, help="how many to show at most")
+    listing.add_argument("--limit", type=positive(int), default=50, metavar="N", help="how many to show at most")
     listing.add_argument("--show-body", "--bodies", dest="show_body", action="store_true",
                          help="include each raw body (as UTF-8 text)")
     add_format(listing)
     listing.set_defaults(func=lambda a: run(_list(a)))
 
-    groups = sub.add_parser("groups", parents=[common], formatter_class=formatter,
-                            help="how many are parked, by reason and source")
+
+def _add_groups(add: Add, run: Callable[[Any], int]) -> None:
+    groups = add("groups", help="how many are parked, by reason and source", environment=STORE,
+                 description="How many deliveries are parked for each reason and source, how many of them "
+                 "were replayed, and when the oldest and the newest were parked: where to start.")
     filters(groups)
     add_format(groups)
     groups.set_defaults(func=lambda a: run(_groups(a)))
 
-    show = sub.add_parser("show", parents=[common], formatter_class=formatter,
-                          help="one parked delivery, with its traceback, its headers and its replays")
+
+def _add_show(add: Add, run: Callable[[Any], int]) -> None:
+    show = add("show", help="one parked delivery, with its traceback, its headers and its replays",
+               environment=STORE,
+               description="One parked delivery, named by its id or by enough of its first digits: its reason "
+               "and detail, the traceback of the exception that parked it (redacted before it was stored), its "
+               "headers and attributes, and who replayed it, when, and with what outcome. The body only with "
+               "--show-body.")
     show.add_argument("id", help="the parked delivery's id (from list), or enough of its first digits to be no "
                       "other's")
     show.add_argument("--show-body", action="store_true", help="include the raw body (as UTF-8 text)")
     add_format(show)
     show.set_defaults(func=lambda a: run(_show(a)))
 
-    _add_replay(sub.add_parser(
-        "replay", parents=[common], formatter_class=formatter,
-        help="send parked deliveries back through their handler, under the same key",
-        description="Send parked deliveries back through their handler under the SAME operation key: queue "
-        "deliveries (RabbitMQ, SQS) go back on their queue for the workers; others (HTTP, schedules) run in "
-        "this process. A key done since is acknowledged as a duplicate without running. Each replay is "
-        "recorded with who did it and when. Exit code 1 when any was skipped or failed."), run, load_app)
 
-    discard = sub.add_parser("discard", parents=[common], formatter_class=formatter,
-                             help="delete parked deliveries for good (needs --yes)")
+def _add_discard(add: Add, run: Callable[[Any], int]) -> None:
+    discard = add("discard", help="delete parked deliveries for good (needs --yes)", environment=STORE,
+                  description="Delete parked deliveries for good: those named by --id, those the filters "
+                  "choose, or --all. Without --yes nothing is deleted: it says how many match. Each discard is "
+                  "recorded with who did it and when.")
     discard.add_argument("--id", dest="ids", action="append", default=[], metavar="ID",
                          help="discard this parked delivery, by its id or its first digits (repeat for more)")
     filters(discard)
     discard.add_argument("--all", action="store_true", help="every parked delivery (when no --id or filter is given)")
     discard.add_argument("--yes", action="store_true", help="really delete them (without it, nothing is deleted)")
-    discard.add_argument("--actor", default=_whoami(), help="who is discarding, for the record")
+    discard.add_argument("--actor", help=f"who is discarding, for the record ({ACTOR})")
     discard.set_defaults(func=lambda a: run(_discard(a)))
 
 
@@ -135,13 +181,22 @@ def filters(parser: argparse.ArgumentParser) -> None:
                              "instant with a zone")
 
 
-def _add_replay(parser: argparse.ArgumentParser, run: Callable[[Any], int], load_app: Loader) -> None:
-    parser.add_argument("app", help="module:app, the app whose handlers and sources the deliveries belong to")
+def _add_replay(add: Add, run: Callable[[Any], int], load_app: Loader) -> None:
+    parser = add(
+        "replay", help="send parked deliveries back through their handler, under the same key",
+        description="Send parked deliveries back through their handler under the SAME operation key: queue "
+        "deliveries (RabbitMQ, SQS) go back on their queue for the workers; others (HTTP, schedules) run in "
+        "this process. A key done since is acknowledged as a duplicate without running. Each replay is "
+        "recorded with who did it and when. Exit code 1 when any was skipped or failed.",
+        environment=EVERY_SETTING)
+    parser.add_argument("app", help="module:app or path/to/app.py:app, the app whose handlers and sources the "
+                        "deliveries belong to")
+    app_dir_option(parser)
     parser.add_argument("--id", dest="ids", action="append", default=[], metavar="ID",
                         help="replay this parked delivery, by its id or its first digits (repeat for more); "
                              "without --id, the oldest matching the filters")
     filters(parser)
-    parser.add_argument("--max", type=positive(int), default=100, help="replay at most this many")
+    parser.add_argument("--max", type=positive(int), default=100, metavar="N", help="replay at most this many")
     parser.add_argument("--rate", type=positive(float), default=None, metavar="PER_SECOND",
                         help="send at most this many a second (default: as fast as they go)")
     parser.add_argument("--dry-run", action="store_true", help="only say what would be sent, change nothing")
@@ -150,7 +205,7 @@ def _add_replay(parser: argparse.ArgumentParser, run: Callable[[Any], int], load
                              "was first used with another body")
     parser.add_argument("--include-replayed", action="store_true",
                         help="with filters, also those replayed before (--id always includes them)")
-    parser.add_argument("--actor", default=_whoami(), help="who is replaying, for the record")
+    parser.add_argument("--actor", help=f"who is replaying, for the record ({ACTOR})")
     add_format(parser)
     parser.set_defaults(func=lambda a: run(_replay(a, load_app)))
 
@@ -164,6 +219,8 @@ def _whoami() -> str:
 
 
 def _where(args: argparse.Namespace, *, replayed: bool | None = None) -> ParkedFilter:
+    from consumer_kit.store import ParkedFilter
+
     return ParkedFilter(consumer=args.consumer, reason=args.reason, namespace=args.namespace, source=args.source,
                         since=args.since, replayed=replayed)
 
@@ -173,8 +230,10 @@ class _Store:
     created) when the database or its schema is missing."""
 
     async def __aenter__(self) -> DeadLetters:
-        settings = Settings.from_env()
-        self.engine = create_engine(settings.database_url, pool_size=2)
+        from consumer_kit.cli.running import settings_from_env
+        from consumer_kit.store import Database, DeadLetters, check_schema, create_engine
+
+        self.engine = create_engine(settings_from_env().database_url, pool_size=2)
         try:
             await check_schema(self.engine)
         except BaseException:
@@ -184,8 +243,10 @@ class _Store:
         return DeadLetters(self.database)
 
     async def __aexit__(self, *exc: object) -> None:
-        await self.database.close()
-        await self.engine.dispose()
+        try:
+            await self.database.close()
+        finally:
+            await self.engine.dispose()
 
 
 def _instant(value: datetime | None) -> str | None:
@@ -282,16 +343,16 @@ async def _selected(store: DeadLetters, args: argparse.Namespace, *, limit: int 
 
 
 async def _replay(args: argparse.Namespace, load_app: Loader) -> int:
-    from consumer_kit.app import ConsumerApp
     from consumer_kit.replay import Replayer
 
-    app: ConsumerApp = load_app(args.app)
+    app = load_app(args.app, app_dir=args.app_dir)
     async with _Store() as store:  # the database and its schema exist: the app is not made to create them
         letters = await _selected(store, args, limit=args.max,
                                   replayed=None if args.include_replayed else False)
     letters = letters[:args.max]
     reports: list[ReplayReport] = []
-    async with app.running(sources=()), Replayer(app, actor=args.actor, accept_new_body=args.accept_new_body,
+    actor = args.actor or _whoami()
+    async with app.running(sources=()), Replayer(app, actor=actor, accept_new_body=args.accept_new_body,
                                                   dry_run=args.dry_run, rate=args.rate) as replayer:
         for letter in letters:
             report = await replayer.replay(letter)
@@ -324,6 +385,6 @@ async def _discard(args: argparse.Namespace) -> int:
         if not args.yes:
             raise ConfigurationError(f"{len(letters)} parked deliveries match; nothing was deleted: add --yes to "
                                      "delete them for good")
-        gone = await store.discard(letters, actor=args.actor)
+        gone = await store.discard(letters, actor=args.actor or _whoami())
     print(f"consumer-kit: discarded {gone} parked deliveries", file=sys.stderr)
     return 0

@@ -1,8 +1,9 @@
 """``consumer-kit parked`` (and its old name ``dead-letters``) on SQLite and PostgreSQL, through the
 command's entry function: list, groups, show, replay (in process, for a source without a queue) and
-discard, with their filters and formats, naming a parked delivery by its id or its first digits; the
-traceback of the handler's exception that parked one; and the app's own table made by ``consumer-kit db
-upgrade`` from ``APP_MIGRATIONS`` before any delivery arrives."""
+discard, with their filters and formats, naming a parked delivery by its id or its first digits, and
+the app of a replay by its file with ``--app-dir``; the traceback of the handler's exception that
+parked one; and the app's own table made by ``consumer-kit db upgrade`` from ``APP_MIGRATIONS`` before
+any delivery arrives."""
 
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ from tests.acceptance.cli_run import Ran, cli
 from tests.conftest import TEST_HMAC_KEY
 
 APP = "tests.acceptance.parked_app"
+APP_FILE = "tests/acceptance/parked_app.py:app"  # the same module, named by its file (from the repository's root)
+ROOT = Path(__file__).resolve().parents[2]
 MIGRATIONS = Path(__file__).with_name("parked_migrations")
 
 
@@ -54,7 +57,8 @@ def fresh_app() -> ModuleType:
     return importlib.import_module(APP)
 
 
-async def test_parked_commands_list_group_show_replay_and_discard(db: str, tmp_path: Path) -> None:
+async def test_parked_commands_list_group_show_replay_and_discard(db: str, tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     upgraded = await run("db", "upgrade")
     assert upgraded.code == 0, upgraded.err
     assert "app schema revision a1b2c3d4e5f6 (head a1b2c3d4e5f6, APP_MIGRATIONS)" in upgraded.out
@@ -128,8 +132,15 @@ async def test_parked_commands_list_group_show_replay_and_discard(db: str, tmp_p
     assert "still cannot be keyed" in actions["missing_stable_id"]["detail"]
     assert (await run("parked", "show", not_ready["id"])).json()[0]["replays"] == 0
 
-    # Replayed before the fix: parked again (a new parked row), under the same key.
-    again = await run("parked", "replay", f"{APP}:app", "--id", not_ready["id"][:8], "--actor", "ops@test")
+    # Replayed before the fix: parked again (a new parked row), under the same key. The app is named by its
+    # file from another directory, which --app-dir says where to look in.
+    with monkeypatch.context() as elsewhere:
+        elsewhere.chdir(tmp_path)
+        lost = await run("parked", "replay", APP_FILE, "--id", not_ready["id"][:8])
+        assert lost.code == 2 and lost.err_lines == [
+            f"consumer-kit: there is no file {APP_FILE.removesuffix(':app')} (from {APP_FILE})"]
+        again = await run("parked", "replay", APP_FILE, "--app-dir", str(ROOT), "--id", not_ready["id"][:8],
+                          "--actor", "ops@test")
     assert again.json()[0]["action"] == "parked" and again.json()[0]["key_digest"] == not_ready["key_digest"]
     assert again.code == 0
     (tmp_path / "fixed").touch()  # the operator deploys the fix, then replays what is not replayed yet
