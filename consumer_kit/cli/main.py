@@ -98,7 +98,8 @@ class Lazy:
 
 LAZY = (
     Lazy(("parked", "dead-letters"), "inspect, replay and discard parked deliveries (dead letters)", _parked),
-    Lazy(("schedule",), "scheduled jobs (consumer_kit.sources.schedules)", _schedules),
+    Lazy(("schedule",), "fire a schedule's tick by hand (for an external cron) and show each schedule's state",
+         _schedules),
 )
 
 

@@ -1,25 +1,30 @@
 """``consumer-kit schedule run|list``: fire one tick of a schedule by hand (for an external cron), and
-show each schedule's last and next fire (JSON lines, or a table: ``--format``, as ``parked`` has it)."""
+show each schedule's last and next fire (JSON lines, or a table: ``--format``, as ``parked`` has it).
+
+Both load an app (``module:app`` or ``path/to/app.py:app``, looked up in ``--app-dir`` first when it
+is given), so their ``--help`` lists every setting. The app, the store and asyncio are imported only
+when a command runs: ``--help`` and a usage error load none of them.
+"""
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import functools
 import json
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
-from consumer_kit.app import ConsumerApp
 from consumer_kit.cli.db import refuse_missing
 from consumer_kit.cli.output import add_format, print_rows
+from consumer_kit.cli.parsing import EVERY_SETTING, app_dir_option
 from consumer_kit.cli.running import load_app
-from consumer_kit.delivery import Outcome, Result, Settlement
 from consumer_kit.errors import ConfigurationError
 
 if TYPE_CHECKING:
+    from consumer_kit.app import ConsumerApp
+    from consumer_kit.delivery import Result
     from consumer_kit.pipeline import HandlerSpec
     from consumer_kit.sources.schedules import Schedule
 
@@ -52,6 +57,8 @@ def _instant(value: str) -> datetime:
 
 
 def _settled_as(result: Result) -> str:
+    from consumer_kit.delivery import Outcome, Settlement
+
     if result.outcome is Outcome.PROCESSED:
         return "processed"
     if result.outcome is Outcome.DUPLICATE:
@@ -63,9 +70,11 @@ def _settled_as(result: Result) -> str:
 
 async def schedule_run(args: argparse.Namespace) -> int:
     """``schedule run module:app NAME [--at ISO]``: its exit code says how the tick settled."""
+    import asyncio
+
     from consumer_kit.sources.schedules.timing import key_id
 
-    app = load_app(args.app)
+    app = load_app(args.app, app_dir=args.app_dir)
     spec, schedule = _schedule(app, args.name)
     at = _instant(args.at) if args.at else None
     # SIGTERM (a CronJob's deadline, a deleted pod) cancels the run: its transaction rolls back and the
@@ -99,7 +108,7 @@ async def schedule_list(args: argparse.Namespace) -> int:
     from consumer_kit.sources.schedules import Schedule
     from consumer_kit.sources.schedules.timing import key_id
 
-    app = load_app(args.app)
+    app = load_app(args.app, app_dir=args.app_dir)
     await refuse_missing(app.settings)
 
     def instant(value: datetime | None) -> str | None:
@@ -124,24 +133,61 @@ async def schedule_list(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run(main: Callable[[argparse.Namespace], Coroutine[Any, Any, int]]) -> Callable[[argparse.Namespace], int]:
+    def run(args: argparse.Namespace) -> int:
+        import asyncio
+
+        return asyncio.run(main(args))
+
+    return run
+
+
+def _count(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number") from None
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"{value!r} is less than 0")
+    return number
+
+
+def _app_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("app", help="module:app (say myapp.worker:app) or path/to/app.py:app: the ConsumerApp "
+                        "whose schedules these are")
+    app_dir_option(parser)
+
+
 def add_commands(commands: Any, command: Callable[..., argparse.ArgumentParser]) -> None:
     """Register ``schedule`` and its sub-commands on ``commands`` (``command`` makes a sub-parser)."""
-    schedule = command(commands, "schedule", help="scheduled jobs (consumer_kit.sources.schedules)")
+    schedule = command(
+        commands, "schedule", help="fire a schedule's tick by hand (for an external cron) and show each "
+        "schedule's state",  # the same words as its entry in main.LAZY, which --help shows without this module
+        description="A schedule's ticks outside the workers: fire the one due now (or one given) through the "
+        "inbox, for an external cron, and show each schedule's last and next fire and its pending and skipped "
+        "ticks.")
     schedule_commands = schedule.add_subparsers(dest="schedule_command", required=True, metavar="COMMAND")
     fire = command(
         schedule_commands, "run", help="fire one tick through the inbox (for Kubernetes CronJobs, systemd timers)",
         description="Fire the tick due now (the newest at or before the database's clock), or the one at "
         "--at, through the same inbox as the app's workers: two overlapping invocations run it once. Exit "
-        "code: 0 processed, 3 duplicate, 4 failed (run again), 5 parked, 6 still in progress elsewhere.")
-    fire.add_argument("app", help="module:app")
+        "code: 0 processed, 3 duplicate, 4 failed (run again), 5 parked, 6 still in progress elsewhere.",
+        environment=EVERY_SETTING)
+    _app_arguments(fire)
     fire.add_argument("name", help="the schedule's name")
-    fire.add_argument("--at", help="the tick's instant, ISO 8601 with a zone (2026-03-08T07:00:00Z; default: the "
-                      "tick due now)")
-    fire.add_argument("--wait", type=float, default=None,
-                      help="seconds to wait for a tick another process is running (default: two leases)")
-    fire.set_defaults(func=lambda a: asyncio.run(schedule_run(a)))
-    shown = command(schedule_commands, "list", help="each schedule's last and next fire and skipped ticks")
-    shown.add_argument("app", help="module:app")
-    shown.add_argument("--recent", type=int, default=10, help="how many skipped and pending ticks to show")
+    fire.add_argument("--at", metavar="INSTANT", help="the tick's instant, ISO 8601 with a zone "
+                      "(2026-03-08T07:00:00Z; unset: the tick due now)")
+    fire.add_argument("--wait", type=float, default=None, metavar="SECONDS",
+                      help="how long to wait for a tick another process is running (unset: two leases)")
+    fire.set_defaults(func=_run(schedule_run))
+    shown = command(
+        schedule_commands, "list", help="each schedule's last and next fire and skipped ticks",
+        description="Each of the app's schedules, one JSON line (or table row) each: its timing, catch-up "
+        "and overlap policies, its last fire and how it settled, its next fire, its pending ticks, and its "
+        "skipped ticks counted by reason, the most recent listed. It never creates a database.",
+        environment=EVERY_SETTING)
+    _app_arguments(shown)
+    shown.add_argument("--recent", type=_count, default=10, metavar="N",
+                       help="how many pending ticks, and how many of the latest skipped ones, to list")
     add_format(shown)
-    shown.set_defaults(func=lambda a: asyncio.run(schedule_list(a)))
+    shown.set_defaults(func=_run(schedule_list))

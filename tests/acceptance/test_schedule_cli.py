@@ -36,9 +36,9 @@ def environment(database: str, **extra: str) -> dict[str, str]:
     return values
 
 
-async def run(*args: str, env: dict[str, str]) -> tuple[int, dict[str, object] | None, str]:
-    """Run ``consumer-kit <args>``; its exit code, its JSON answer (if any) and its error output."""
-    process = await asyncio.create_subprocess_exec(CLI, "--log-level", "WARNING", *args, cwd=ROOT, env=env,
+async def run(*args: str, env: dict[str, str], cwd: Path = ROOT) -> tuple[int, dict[str, object] | None, str]:
+    """Run ``consumer-kit <args>`` in ``cwd``; its exit code, its JSON answer (if any) and its error output."""
+    process = await asyncio.create_subprocess_exec(CLI, "--log-level", "WARNING", *args, cwd=cwd, env=env,
                                                    stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     out, err = await asyncio.wait_for(process.communicate(), 60)
     assert process.returncode is not None
@@ -201,27 +201,33 @@ async def test_a_run_stopped_by_sigterm_gives_its_lease_back(tmp_path: Path) -> 
     assert await rows(database, select(schedule_app.effects.c.tick)) == [(tick,)]
 
 
-async def printed(*args: str, env: dict[str, str]) -> str:
-    """What ``consumer-kit <args>`` printed on stdout (it must exit 0)."""
-    process = await asyncio.create_subprocess_exec(CLI, "--log-level", "WARNING", *args, cwd=ROOT, env=env,
+async def printed(*args: str, env: dict[str, str], cwd: Path = ROOT) -> str:
+    """What ``consumer-kit <args>`` printed on stdout in ``cwd`` (it must exit 0)."""
+    process = await asyncio.create_subprocess_exec(CLI, "--log-level", "WARNING", *args, cwd=cwd, env=env,
                                                    stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     out, err = await asyncio.wait_for(process.communicate(), 60)
     assert process.returncode == 0, err.decode()
     return out.decode()
 
 
-async def test_schedule_list_prints_json_lines_or_a_table_of_the_same_fields(database: str) -> None:
+async def test_schedule_list_prints_json_lines_or_a_table_of_the_same_fields(database: str, tmp_path: Path) -> None:
     env = environment(database, REPORT_FAIL="1", MAX_DELIVERIES="1", RETRY_ATTEMPTS="1")
     await init("tests.acceptance.schedule_app", env)
     app = "tests.acceptance.schedule_app:app"
     tick = an_hour_ago()
-    assert (await run("schedule", "run", app, "report", "--at", tick, env=env))[0] == 5  # parked
+    # The app named by its file, from another directory: --app-dir says where to look, for run and list.
+    by_file = ("tests/acceptance/schedule_app.py:app", "--app-dir", str(ROOT))
+    code, _, error = await run("schedule", "run", *by_file[:1], "report", "--at", tick, env=env, cwd=tmp_path)
+    assert code == 2 and error.splitlines() == [
+        "consumer-kit: there is no file tests/acceptance/schedule_app.py (from tests/acceptance/schedule_app.py:app)"]
+    assert (await run("schedule", "run", *by_file, "report", "--at", tick, env=env, cwd=tmp_path))[0] == 5  # parked
 
     def steady(output: str) -> dict[str, dict[str, object]]:  # by schedule; the ticker's next fire moves on
         return {row["schedule"]: {**row, "next_fire": None} for row in map(json.loads, output.splitlines())}
 
     listed = steady(await printed("schedule", "list", app, "--format", "json", env=env))
     assert steady(await printed("schedule", "list", app, env=env)) == listed  # JSON lines stay the default
+    assert steady(await printed("schedule", "list", *by_file, env=env, cwd=tmp_path)) == listed
     assert set(listed) == {"report", "ticker"}
     report = listed["report"]
     assert (report["last_fired"], report["last_state"], report["last_reason"]) == (tick, "parked", "retries_exhausted")
