@@ -9,11 +9,11 @@ import importlib.metadata
 import io
 from collections.abc import Iterator
 from contextlib import redirect_stderr, redirect_stdout
+from pathlib import Path
 
 import pytest
 
 from consumer_kit.cli import build_parser
-from consumer_kit.cli.main import LAZY
 from consumer_kit.cli.parsing import Parser, environment_variables
 from consumer_kit.settings import Settings
 
@@ -28,15 +28,6 @@ def parsers(parser: argparse.ArgumentParser) -> Iterator[argparse.ArgumentParser
 
 def leaves(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
     return [p for p in parsers(parser) if not any(isinstance(a, argparse._SubParsersAction) for a in p._actions)]
-
-
-# parked and schedule are registered by their own modules (cli/parked.py, cli/schedules.py), whose
-# descriptions and environment lists are theirs to give; these tests hold the rest of the command to it.
-LAZY_PROGS = tuple(f"consumer-kit {name}" for entry in LAZY for name in entry.names)
-
-
-def ours(parser: argparse.ArgumentParser) -> bool:
-    return not parser.prog.startswith(LAZY_PROGS)
 
 
 def parse(*argv: str) -> tuple[int | str | None, str, str]:
@@ -64,28 +55,38 @@ def test_every_option_has_help_and_a_default_only_when_it_has_one() -> None:
 
 
 def test_the_program_and_every_command_have_a_description() -> None:
-    checked = [parser for parser in parsers(build_parser()) if ours(parser)]
-    assert len(checked) >= 10
+    checked = list(parsers(build_parser()))
+    assert {"consumer-kit parked", "consumer-kit parked list", "consumer-kit parked groups", "consumer-kit parked show",
+            "consumer-kit parked replay", "consumer-kit parked discard", "consumer-kit schedule",
+            "consumer-kit schedule run", "consumer-kit schedule list"} <= {p.prog for p in checked}
+    assert len(checked) >= 19
     for parser in checked:
         assert parser.description and len(parser.description) > 20, parser.prog
         assert parser.description in " ".join(parser.format_help().split()) or "\n" in parser.description
 
 
 def test_every_command_lists_the_environment_it_reads_from_settings_fields() -> None:
-    commands = [parser for parser in leaves(build_parser()) if ours(parser)]
-    assert {p.prog for p in commands} >= {"consumer-kit run", "consumer-kit db upgrade", "consumer-kit db check",
-                                          "consumer-kit db revision", "consumer-kit coordinator serve",
-                                          "consumer-kit outbox relay", "consumer-kit demo"}
+    commands = leaves(build_parser())
+    assert {p.prog for p in commands} == {
+        "consumer-kit run", "consumer-kit db upgrade", "consumer-kit db check", "consumer-kit db revision",
+        "consumer-kit coordinator serve", "consumer-kit outbox relay", "consumer-kit demo",
+        "consumer-kit parked list", "consumer-kit parked groups", "consumer-kit parked show",
+        "consumer-kit parked replay", "consumer-kit parked discard", "consumer-kit schedule run",
+        "consumer-kit schedule list"}
+    found: dict[str, list[str]] = {}
     for parser in commands:
         assert isinstance(parser, Parser) and parser.environment, parser.prog
         epilog = " ".join(parser.format_help().split()).partition("Environment: ")[2]
         assert "; LOG_LEVEL, LOG_FORMAT." in epilog, (parser.prog, epilog)
-        for name in environment_variables(parser.environment):
+        variables = found[parser.prog.removeprefix("consumer-kit ")] = environment_variables(parser.environment)
+        for name in variables:
             assert name in epilog, (parser.prog, name)
-    run = next(p for p in commands if p.prog == "consumer-kit run")
-    assert environment_variables(run.environment) == [name.upper() for name in Settings.model_fields]
-    demo = next(p for p in commands if p.prog == "consumer-kit demo")
-    assert "DATABASE_URL" not in environment_variables(demo.environment)
+    every = [name.upper() for name in Settings.model_fields]
+    for loads_an_app in ("run", "parked replay", "schedule run", "schedule list"):  # the app's Settings() reads all
+        assert found[loads_an_app] == every, loads_an_app
+    for reads_the_store in ("parked list", "parked groups", "parked show", "parked discard"):
+        assert found[reads_the_store] == ["DATABASE_URL"], reads_the_store  # consumer-kit's tables, no app
+    assert "DATABASE_URL" not in found["demo"]
 
 
 def test_environment_names_are_settings_fields_upper_cased() -> None:
@@ -148,3 +149,31 @@ def test_a_missing_env_file_or_app_dir_is_one_line() -> None:
         "consumer-kit: argument --env-file: '/nonexistent/ck.env': no such file (see consumer-kit --help)"]
     code, _out, err = parse("run", "m:app", "--app-dir", "/nonexistent/ck")
     assert code == 2 and len(err.splitlines()) == 1 and "'/nonexistent/ck': no such directory" in err
+
+
+@pytest.mark.parametrize("argv", [["parked", "replay", "m:app"], ["schedule", "run", "m:app", "nightly"],
+                                  ["schedule", "list", "m:app"]], ids=lambda argv: " ".join(argv[:2]))
+def test_the_commands_that_load_an_app_take_app_dir(argv: list[str], tmp_path: Path) -> None:
+    assert build_parser().parse_args([*argv, "--app-dir", str(tmp_path)]).app_dir == str(tmp_path)
+    assert build_parser().parse_args(argv).app_dir is None  # the current directory
+    code, out, err = parse(*argv, "--app-dir", str(tmp_path / "nowhere"))
+    assert code == 2 and out == "" and err.splitlines() == [
+        f"consumer-kit {' '.join(argv[:2])}: argument --app-dir: '{tmp_path / 'nowhere'}': no such directory "
+        f"(see consumer-kit {' '.join(argv[:2])} --help)"]
+
+
+def test_actor_is_looked_up_when_the_command_runs_not_shown_as_a_default() -> None:
+    # The login and host names are the machine's: a help printed elsewhere (the docs) would show another.
+    for argv in (["parked", "replay", "m:app"], ["parked", "discard"]):
+        assert build_parser().parse_args(argv).actor is None
+        assert build_parser().parse_args([*argv, "--actor", "ops@example"]).actor == "ops@example"
+    code, out, _err = parse("parked", "discard", "--help")
+    assert code == 0 and "(unset: LOGIN@HOST, your login name and this machine's)" in " ".join(out.split())
+
+
+@pytest.mark.parametrize(("value", "says"), [("-1", "'-1' is less than 0"), ("ten", "'ten' is not a whole number")])
+def test_schedule_list_refuses_a_count_that_is_not_one_in_one_line(value: str, says: str) -> None:
+    assert build_parser().parse_args(["schedule", "list", "m:app", "--recent", "0"]).recent == 0
+    code, _out, err = parse("schedule", "list", "m:app", "--recent", value)
+    assert code == 2 and err.splitlines() == [
+        f"consumer-kit schedule list: argument --recent: {says} (see consumer-kit schedule list --help)"]

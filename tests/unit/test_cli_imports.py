@@ -1,6 +1,7 @@
 """``import consumer_kit`` and ``consumer-kit --help`` load none of what the commands run: no
-SQLAlchemy, store, coordinator, app, uvicorn, Starlette or pydantic-settings. Checked by the modules a
-fresh interpreter holds afterwards (deterministic, unlike a timing)."""
+SQLAlchemy, store, coordinator, app, uvicorn, Starlette or pydantic-settings; nor does the help of
+``parked`` and ``schedule``, whose modules load only themselves. Checked by the modules a fresh
+interpreter holds afterwards (deterministic, unlike a timing)."""
 
 from __future__ import annotations
 
@@ -72,3 +73,35 @@ def test_a_command_help_loads_settings_alone(tmp_path: Path, argv: list[str]) ->
     modules = loaded(RUN_CLI.format(argv=argv), tmp_path)
     assert "consumer_kit.settings" in modules  # its variables come from Settings' fields
     assert heavy(modules, allowed=SETTINGS) == []
+
+
+@pytest.mark.parametrize(("argv", "own"), [(["parked", "--help"], "parked"), (["dead-letters", "--help"], "parked"),
+                                           (["schedule", "--help"], "schedules")],
+                         ids=lambda value: " ".join(value[:-1]) if isinstance(value, list) else None)
+def test_the_parked_and_schedule_groups_help_load_their_module_alone(tmp_path: Path, argv: list[str],
+                                                                     own: str) -> None:
+    modules = loaded(RUN_CLI.format(argv=argv), tmp_path)
+    assert f"consumer_kit.cli.{own}" in modules  # the command was registered by its module, not LAZY's line
+    assert heavy(modules, allowed=(f"consumer_kit.cli.{own}",)) == []
+    assert "consumer_kit.settings" not in modules and "asyncio" not in modules  # a group reads no setting
+
+
+@pytest.mark.parametrize("argv", [["parked", "list", "--help"], ["parked", "groups", "--help"],
+                                  ["parked", "show", "--help"], ["parked", "replay", "--help"],
+                                  ["dead-letters", "discard", "--help"], ["schedule", "run", "--help"],
+                                  ["schedule", "list", "--help"]],
+                         ids=lambda argv: " ".join(argv[:-1]))
+def test_a_parked_or_schedule_command_help_loads_settings_alone(tmp_path: Path, argv: list[str]) -> None:
+    own = "consumer_kit.cli.parked" if argv[0] in ("parked", "dead-letters") else "consumer_kit.cli.schedules"
+    modules = loaded(RUN_CLI.format(argv=argv), tmp_path)
+    assert own in modules and "consumer_kit.settings" in modules
+    assert heavy(modules, allowed=(*SETTINGS, own)) == []  # no SQLAlchemy, store, app or replayer
+
+
+@pytest.mark.parametrize("argv", [["parked", "list", "--limit", "0"], ["schedule", "run", "m:app"]],
+                         ids=["parked list", "schedule run"])
+def test_a_usage_error_of_parked_or_schedule_loads_none_of_it(tmp_path: Path, argv: list[str]) -> None:
+    modules = loaded(RUN_CLI.format(argv=argv), tmp_path)
+    own = "consumer_kit.cli.parked" if argv[0] == "parked" else "consumer_kit.cli.schedules"
+    assert own in modules and heavy(modules, allowed=(own,)) == []
+    assert "consumer_kit.settings" not in modules
