@@ -52,10 +52,18 @@ class Settings(BaseSettings):
     idempotency_hmac_key_previous: SecretStr | None = Field(
         None, description="The HMAC key before a rotation; keep it one retention window, then remove it."
     )
-    idempotency_retention_seconds: int = Field(604_800, gt=0)
-    generated_idempotency_retention_seconds: int = Field(86_400, gt=0)
-    idempotency_max_receipts_per_scope: int = Field(10_000, gt=0)
-    coordinator_body_limit_bytes: int = Field(262_144, gt=0)
+    idempotency_retention_seconds: int = Field(
+        604_800, gt=0, description="How long the coordinator keeps the receipt of a creation under an explicit "
+        "idempotency key (7 days); a retry within it is replayed.")
+    generated_idempotency_retention_seconds: int = Field(
+        86_400, gt=0, description="How long the coordinator keeps the receipt of a creation under a key the "
+        "client generated for it (1 day).")
+    idempotency_max_receipts_per_scope: int = Field(
+        10_000, gt=0, description="Live coordinator receipts per application and operation; a creation past it "
+        "is refused (429 idempotency_receipt_limit).")
+    coordinator_body_limit_bytes: int = Field(
+        262_144, gt=0, description="Largest request body `consumer-kit coordinator serve` accepts; a larger one "
+        "is answered 413.")
 
     http_max_header_bytes: int = Field(
         16_384, ge=1024, description="Largest request head (request line and headers) the HTTP servers "
@@ -81,14 +89,22 @@ class Settings(BaseSettings):
         "a key seen again after its sweep is caught as late (0: none).")
     retry_attempts: int = Field(3, ge=1, description="Handler attempts within one delivery.")
     retry_backoff_seconds: float = Field(0.05, ge=0, description="First in-process backoff; doubles.")
-    retry_backoff_max_seconds: float = Field(2.0, ge=0)
+    retry_backoff_max_seconds: float = Field(
+        2.0, ge=0, description="Longest in-process backoff between two attempts (each a random wait up to it).")
     retry_later_seconds: float = Field(5.0, ge=0, description="Delay a source applies to RETRY_LATER.")
     max_deliveries: int = Field(10, ge=1, description="Deliveries of one key before 'retries_exhausted'.")
-    shutdown_grace_seconds: float = Field(30.0, ge=0)
-    sweep_interval_seconds: float = Field(60.0, gt=0)
-    sweep_batch_size: int = Field(500, gt=0)
-    db_pool_size: int = Field(10, gt=0, description="Connections kept in the pool, which may overflow by as many "
-                              "again; a delivery holds one from its claim to its commit. See the README.")
+    shutdown_grace_seconds: float = Field(
+        30.0, ge=0, description="How long a stopping worker (and an HTTP server, for its requests) waits for the "
+        "deliveries under way before it cancels them; a cancelled delivery rolls back and is delivered again.")
+    sweep_interval_seconds: float = Field(
+        60.0, gt=0, description="How often expired rows are deleted: inbox rows and the embedded coordinator's "
+        "receipts by a worker, published outbox rows by a relay.")
+    sweep_batch_size: int = Field(
+        500, gt=0, description="Rows a sweep deletes per statement, each statement its own short transaction.")
+    db_pool_size: int = Field(
+        10, gt=0, description="Connections of each pool (SQLAlchemy's, which may overflow by as many again, and on "
+        "PostgreSQL consumer-kit's own asyncpg pool); a delivery holds one from its claim to its commit (the docs' "
+        "Handlers page: Databases and drivers).")
 
     coordinator_url: str | None = Field(None, description="An HTTP coordinator; unset = the embedded one.")
     coordinator_token: SecretStr | None = Field(None, description="Bearer token for COORDINATOR_URL.")
@@ -125,7 +141,9 @@ class Settings(BaseSettings):
     outbox_batch_size: int = Field(100, gt=0, description="Outbox rows a relay claims per round.")
     outbox_poll_seconds: float = Field(1.0, gt=0, description="Relay polling interval besides NOTIFY.")
     outbox_backoff_seconds: float = Field(1.0, gt=0, description="First delay after a failed publish.")
-    outbox_backoff_max_seconds: float = Field(60.0, gt=0)
+    outbox_backoff_max_seconds: float = Field(
+        60.0, gt=0, description="Longest delay before a failed outbox row is published again (the delay doubles "
+        "from OUTBOX_BACKOFF_SECONDS), and between two rounds of a relay whose rounds keep failing.")
     outbox_publish_timeout_seconds: float = Field(10.0, gt=0, description="Wait for a publisher confirm.")
     outbox_retention_seconds: int = Field(
         86_400, gt=0, description="How long published outbox rows are kept before the sweep."
