@@ -53,6 +53,7 @@ from urllib.parse import unquote_plus
 from consumer_kit.delivery import Delivery, KeyedSource, KeyMapper
 from consumer_kit.errors import ConfigurationError, InvalidKey, MissingStableId
 from consumer_kit.keys import OperationKey
+from consumer_kit.untrusted import loads_json
 
 Envelope = Literal["sqs", "sns", "eventbridge", "s3", "cloudevents"]
 ENVELOPES: tuple[str, ...] = ("sqs", "sns", "eventbridge", "s3", "cloudevents")
@@ -120,15 +121,15 @@ def _unwrap(envelope: str, *, message_id: str | None, body: bytes, headers: Mapp
         if envelope == "s3":
             return _s3(document, body, headers, attempt)
         return [structured_cloudevent(document, body, headers, attempt)]
-    except Exception as exc:  # a body built to break a parser (nesting past the recursion limit ...)
+    except Exception as exc:  # whatever a body built to break a reader may still find: parked, never retried
         return [_mismatch(body, headers, attempt, f"the message cannot be read ({type(exc).__name__})")]
 
 
 def _json(body: bytes) -> Any:
     """``body`` parsed as JSON, or ``None`` when it is not JSON (or nested too deep to parse)."""
     try:
-        return json.loads(body)
-    except (ValueError, UnicodeDecodeError, RecursionError):
+        return loads_json(body, strict=False)
+    except ValueError:
         return None
 
 

@@ -36,6 +36,7 @@ from consumer_kit.errors import (
 from consumer_kit.keys import validate_key
 from consumer_kit.retry import RetryPolicy, is_retryable_status, parse_retry_after
 from consumer_kit.tracing import current_headers
+from consumer_kit.untrusted import loads_json
 
 log = logging.getLogger("consumer_kit.coordinator.http")
 
@@ -134,7 +135,10 @@ class HttpCoordinator(SessionScope):
             validate_key(key)
         headers["Idempotency-Key"] = key.encode("utf-8")
         response = await self._call("POST", path, payload, headers)
-        body = response.json()
+        try:
+            body = loads_json(response.content, strict=False)
+        except ValueError:  # the coordinator's fault, not the delivery's: an UnparseableJson would park it
+            body = None
         if not isinstance(body, dict):
             raise CoordinatorUnavailable("the coordinator answered with an unreadable body")
         return body, response.headers.get("Idempotency-Replayed", "").lower() == "true"
@@ -196,7 +200,7 @@ class HttpCoordinator(SessionScope):
 
 def _error_code(response: httpx.Response) -> str:
     try:
-        body = response.json()
+        body = loads_json(response.content, strict=False)
     except ValueError:
         return f"http_{response.status_code}"
     if isinstance(body, dict) and isinstance(body.get("error"), str):

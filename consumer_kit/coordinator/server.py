@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import json
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -37,6 +36,7 @@ from consumer_kit.keys import validate_key
 from consumer_kit.settings import Settings
 from consumer_kit.signals import StopRequested, stop_event, unless_stopped
 from consumer_kit.store import create_engine, ensure_schema
+from consumer_kit.untrusted import loads_json
 
 log = logging.getLogger("consumer_kit.coordinator.server")
 
@@ -46,19 +46,9 @@ class _TooLarge(Exception):
 
 
 MAX_JSON_DEPTH = 32
-"""Request bodies nested deeper (objects and arrays) are ``400 invalid_request``: no request field needs
-it, and deep nesting costs recursion in parsing, validation and the fingerprint."""
-
-
-def _deeper_than(value: Any, limit: int) -> bool:
-    """Whether ``value`` nests objects or arrays more than ``limit`` levels deep (without recursion)."""
-    level: list[Any] = [value]
-    for _ in range(limit):
-        level = [child for item in level if isinstance(item, dict | list)
-                 for child in (item.values() if isinstance(item, dict) else item)]
-        if not level:
-            return False
-    return any(isinstance(item, dict | list) for item in level)
+"""Request bodies nested deeper (objects and arrays) are ``400 invalid_request``, refused before they are
+parsed: no request field needs it, and deep nesting costs recursion in parsing, validation and the
+fingerprint."""
 
 
 def _error(status: int, code: str) -> JSONResponse:
@@ -94,13 +84,7 @@ class _Endpoints:
             if size > self.limit:
                 raise _TooLarge()
             chunks.append(chunk)
-        try:
-            payload = json.loads(b"".join(chunks))
-        except RecursionError:  # nested deeper than the interpreter's stack: bad input, not a crash
-            raise ValueError("nested too deeply") from None
-        if _deeper_than(payload, MAX_JSON_DEPTH):
-            raise ValueError("nested too deeply")
-        return payload
+        return loads_json(b"".join(chunks), max_depth=MAX_JSON_DEPTH)  # UnparseableJson is a ValueError
 
     async def create(self, request: Request, operation: str) -> Response:
         scoped = self.authenticate(request)

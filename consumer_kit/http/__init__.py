@@ -16,21 +16,27 @@ Unverified requests are not trusted input, so they are never parked; they are co
 
 The Starlette side (reading a capped body, turning verdicts into responses, the base class of the
 HTTP sources) is :mod:`consumer_kit.http.intake`; this module needs no web framework, so the core
-and the CLI can import it on an installation without one. :func:`loads_json` is the JSON parser for
-request bodies: it refuses deep nesting before the standard parser recurses into it.
+and the CLI can import it on an installation without one. Request bodies are parsed as any untrusted
+JSON is, by :func:`consumer_kit.untrusted.loads_json` (also importable from here): a body nested too
+deep is refused as unparseable before the standard parser recurses into it.
 """
 
 from __future__ import annotations
 
-import json
 import math
-import re
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from consumer_kit.delivery import Outcome, Result, Settlement, Source
 from consumer_kit.errors import ConsumerKitError
+from consumer_kit.untrusted import MAX_JSON_DEPTH, UnparseableJson, loads_json
+
+__all__ = [
+    "DEFAULT_BODY_LIMIT", "MAX_JSON_DEPTH", "Answer", "HttpSource", "MalformedRequest", "PayloadTooLarge",
+    "RequestRejected", "Unauthenticated", "UnparseableJson", "UnsupportedMediaType", "answer_for", "http_paths",
+    "loads_json",
+]
 
 if TYPE_CHECKING:
     from starlette.requests import Request
@@ -38,11 +44,6 @@ if TYPE_CHECKING:
 
 DEFAULT_BODY_LIMIT = 262_144
 """256 KiB: the default cap on a request body, as the coordinator's (``COORDINATOR_BODY_LIMIT_BYTES``)."""
-
-MAX_JSON_DEPTH = 128
-"""How deeply a request's JSON may nest (arrays and objects): far more than any event or request
-needs, and far less than the interpreter's recursion limit, which a deeper document would reach."""
-
 
 class RequestRejected(ConsumerKitError):
     """An HTTP request refused before it became a delivery; ``status`` is the answer's code and
@@ -140,57 +141,3 @@ def answer_for(result: Result) -> Answer:
 def http_paths(sources: Iterable[object]) -> list[str]:
     """The paths of those of ``sources`` that are served over HTTP, in order."""
     return [source.path for source in sources if isinstance(source, HttpSource)]
-
-
-_JSON_STRUCTURE = re.compile(r'[\[\]{}"\\]')
-
-
-def loads_json(
-    text: str | bytes,
-    *,
-    max_depth: int = MAX_JSON_DEPTH,
-    parse_float: Callable[[str], Any] | None = None,
-    parse_int: Callable[[str], Any] | None = None,
-    object_pairs_hook: Callable[[list[tuple[str, Any]]], Any] | None = None,
-) -> Any:
-    """``json.loads`` for untrusted input: bytes must be UTF-8 (RFC 8259), ``NaN`` and ``Infinity``
-    are refused (they are not JSON), and a document nested deeper than ``max_depth`` is refused
-    before it is parsed. Every refusal is a :class:`ValueError`.
-
-    The standard parser recurses once per level, so about a thousand levels (2 KB of brackets)
-    would raise ``RecursionError`` from deep inside it, or from whatever walks the result next.
-    """
-    if isinstance(text, bytes):
-        text = text.decode("utf-8")  # UnicodeDecodeError is a ValueError
-    if text.count("[") + text.count("{") > max_depth:
-        _check_depth(text, max_depth)
-    return json.loads(text, parse_float=parse_float, parse_int=parse_int,
-                      parse_constant=_refuse_constant, object_pairs_hook=object_pairs_hook)
-
-
-def _check_depth(text: str, limit: int) -> None:
-    # Only brackets, quotes and backslashes matter; a linear pass over them, skipping string contents.
-    depth = 0
-    in_string = False
-    escaped_at = -1
-    for match in _JSON_STRUCTURE.finditer(text):
-        char, at = match.group(), match.start()
-        if in_string:
-            if at == escaped_at:
-                continue
-            if char == "\\":
-                escaped_at = at + 1
-            elif char == '"':
-                in_string = False
-        elif char == '"':
-            in_string = True
-        elif char in "[{":
-            depth += 1
-            if depth > limit:
-                raise ValueError(f"JSON nested deeper than {limit} levels")
-        elif char in "]}":
-            depth -= 1
-
-
-def _refuse_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")

@@ -17,7 +17,7 @@ one value, as are empty data and none (binary mode cannot tell them apart). So t
 in binary and in structured mode is a duplicate, and a changed attribute or changed data under a
 known ``source`` + ``id`` is a conflict.
 
-**Invalid events** (everything the specification calls invalid, listed in the README) are handed
+**Invalid events** (everything the specification calls invalid, listed in the docs' CloudEvents page) are handed
 over in their raw form with :attr:`CloudEventDelivery.problem` set; the pipeline parks them (400)
 and never runs the handler. A missing or empty ``id`` or ``source`` is ``missing_stable_id``;
 every other rule is ``unparseable``, with the rule broken as the detail.
@@ -37,8 +37,8 @@ from urllib.parse import quote
 
 from consumer_kit.delivery import Delivery
 from consumer_kit.errors import MissingStableId, TerminalError, UnparseableDelivery
-from consumer_kit.http import loads_json
 from consumer_kit.sources.cloudevents import values
+from consumer_kit.untrusted import loads_json
 
 DEFAULT_DATACONTENTTYPE = "application/json"
 _NAME = re.compile(r"[a-z0-9]+")

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from consumer_kit.delivery import Delivery
-from consumer_kit.http import loads_json
 from consumer_kit.sources.cloudevents.message import key_id
+from consumer_kit.untrusted import loads_json
 
 _TRANSPORT_PREFIXES = ("cloudevents_", "cloudevents:", "ce_", "ce-")
 

@@ -4,12 +4,12 @@ timeout, parked messages with nowhere to go)."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from consumer_kit.errors import ConfigurationError
 from consumer_kit.sources.sqs.client import SqsClient, explain, log
+from consumer_kit.untrusted import loads_json
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,7 +75,7 @@ def _redrive_policy(attributes: Mapping[str, str]) -> tuple[str, int] | None:
     if not raw:
         return None
     try:
-        policy = json.loads(raw)
+        policy = loads_json(raw, strict=False)
         return str(policy["deadLetterTargetArn"]), int(policy["maxReceiveCount"])
     except (ValueError, KeyError, TypeError):
         return None

@@ -16,7 +16,6 @@ import base64
 import binascii
 import hashlib
 import hmac
-import json
 import re
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -28,6 +27,7 @@ from standardwebhooks.webhooks import EmptyWebhookSecretError, Webhook
 
 from consumer_kit.errors import ConfigurationError, MissingStableId, UnparseableDelivery
 from consumer_kit.http import MalformedRequest, Unauthenticated
+from consumer_kit.untrusted import loads_json
 
 Secrets = str | bytes | Sequence[str | bytes]
 """A secret, or several while one is rotated out: every one is tried."""
@@ -91,10 +91,9 @@ def _any_match(expected: Sequence[bytes], given: Sequence[bytes]) -> bool:
 
 
 def _json_object(body: bytes) -> dict[str, Any]:
-    try:
-        parsed = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
-        raise UnparseableDelivery("the body is not JSON") from None
+    # Not strict: what json.loads accepts, bounded; anything else (nesting 100,000 deep too) is an
+    # UnparseableJson, which parks as unparseable like any body that cannot be read.
+    parsed = loads_json(body, strict=False)
     if not isinstance(parsed, dict):
         raise UnparseableDelivery("the body is not a JSON object")
     return parsed
@@ -172,10 +171,7 @@ class StandardWebhooksVerifier:
     def stable_id(self, headers: Mapping[str, str], body: bytes) -> str:
         """The ``webhook-id`` (or ``svix-id``); the body must be JSON unless ``require_json=False``."""
         if self.require_json:
-            try:
-                json.loads(body)
-            except (ValueError, UnicodeDecodeError):
-                raise UnparseableDelivery("the body is not JSON") from None
+            loads_json(body, strict=False)  # UnparseableJson when it is not (see _json_object)
         return headers[f"{self._prefix(headers)}-id"].strip()
 
 
