@@ -29,6 +29,7 @@ import httpx
 import pytest
 
 from consumer_kit.testing.server import free_port
+from tests.docs.blocks import file_block
 from tests.processes import stop_cleanly, wait_until_served
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,31 +38,8 @@ BIN = Path(sys.executable).parent  # this virtualenv's: build, twine and uv come
 # What a fresh machine does not have: nothing that configures consumer-kit, no virtualenv, no checkout.
 CONFIGURATION = re.compile(r"^(IDEMPOTENCY_|COORDINATOR_|RABBITMQ_|SQS_|DATABASE_URL$|VIRTUAL_ENV$|PYTHONPATH$)")
 
-# The getting-started page's app.py (docs/getting-started.md, "A first handler"), as a user saves it.
-GETTING_STARTED = '''\
-# app.py
-import logging
-import os
-
-from consumer_kit import ConsumerApp, Context, Settings
-from consumer_kit.sources.webhooks import HmacVerifier, WebhookSource
-
-log = logging.getLogger("app")
-app = ConsumerApp(Settings())  # a SQLite file (consumer-kit.db) and the in-process coordinator
-
-orders = WebhookSource(
-    path="/orders", namespace="orders", version=1,
-    # An HMAC-SHA-256 of the body in X-Signature; each order is keyed by its "id" field.
-    verifier=HmacVerifier(os.environ["ORDERS_WEBHOOK_SECRET"], header="X-Signature",
-                          prefix="sha256=", id_field="id"),
-)
-
-
-@app.handler(orders)
-async def record_order(ctx: Context) -> None:
-    order = ctx.delivery.json()
-    log.info("order %s: %s", order["id"], order["amount"])
-'''
+# The getting-started page's app.py (docs/getting-started.md), exactly as the page shows it: a user saves it.
+GETTING_STARTED = file_block("docs/getting-started.md", "app.py")
 
 
 @dataclass(frozen=True)
