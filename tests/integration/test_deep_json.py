@@ -2,8 +2,10 @@
 point of untrusted JSON that has a server or a broker in front of it: answered and parked like any body
 that cannot be parsed, never a 500 with a traceback, never delivered again and again.
 
-- webhooks (each verifier) through a worker's real HTTP server, with its request bounds;
-- the coordinator's server, which answers a request it cannot read 400 ``invalid_request``;
+- webhooks (each verifier) and a CloudEvents sink (every mode) through a worker's real HTTP server,
+  with its request bounds;
+- the coordinator's server, which answers a request it cannot read 400 ``invalid_request``, and its
+  client, for which such an answer is the coordinator's failure (retryable), not the delivery's;
 - a RabbitMQ message whose handler reads ``ctx.delivery.json()``: parked ``unparseable`` at its first
   delivery, where it used to fail with ``RecursionError`` until its deliveries ran out.
 """
@@ -44,6 +46,7 @@ from consumer_kit.sources.webhooks import (
 )
 from consumer_kit.testing.server import served_asgi, served_coordinator
 from tests.conftest import make_settings
+from tests.integration.cloudevents_sink import BATCH, STRUCTURED, TOKEN, Sink
 from tests.integration.rabbit import AMQP_URL, delete_queues, depth, drain, publish, wait_until
 from tests.signing import github_headers, standard_headers, stripe_signature
 
@@ -115,6 +118,23 @@ async def test_a_signed_webhook_nested_100000_deep_is_answered_and_parked(
     assert runs == ["evt_fine"]
     assert not [r for r in caplog.records if r.exc_info or "Exception in ASGI" in r.getMessage()
                 or "RecursionError" in r.getMessage()]
+
+
+async def test_a_cloudevent_nested_100000_deep_is_answered_and_parked(sqlite_url: str) -> None:
+    sink = Sink(sqlite_url)
+    event = b'{"specversion": "1.0", "type": "t", "source": "/s", "id": "%s", "data": %s}'
+    hostile = [(DEEP, STRUCTURED), (event % (b"deep-data", DEEP), STRUCTURED), (b"[" + DEEP + b"]", BATCH),
+               (DEEP, {"content-type": "application/json", "ce-specversion": "1.0", "ce-type": "t",
+                       "ce-source": "/s", "ce-id": "deep-binary"})]
+    auth = {"authorization": f"Bearer {TOKEN}"}
+    async with served_asgi(sink.app.asgi(), settings=sink.app.settings) as base, \
+            httpx.AsyncClient(base_url=base, headers=auth) as client:
+        answers = [await client.post("/events", content=body, headers=headers) for body, headers in hostile]
+        fine = await client.post("/events", content=event % (b"fine", b"1"), headers=STRUCTURED)
+        parked = await sink.app.dead_letters.count(reason="unparseable")
+    assert [(a.status_code, a.json()["reason"]) for a in answers] == [(400, "unparseable")] * len(hostile)
+    assert parked == len(hostile)
+    assert (fine.status_code, [d.headers["ce-id"] for d in sink.seen]) == (200, ["fine"])
 
 
 @pytest.mark.postgres
