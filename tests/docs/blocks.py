@@ -43,15 +43,28 @@ Annotations are HTML comments on the lines right before a block (invisible on th
     <!-- docs: not-run <reason> -->                   do not run this block (no Docker here, a package
                                                       index that does not have us yet); rare, and
                                                       counted and listed by the tests
+    <!-- docs: checkout -->                           run this sh / bash / console block in a checkout of
+                                                      the repository, for a command about the
+                                                      repository's own files (``promtool check config
+                                                      deploy/prometheus/prometheus.yml``): a copy of the
+                                                      files git tracks, as the working tree has them,
+                                                      made once per page; what the block exports carries
+                                                      over, its directory does not
 
 Any other language, an unknown annotation, or a fence that never closes fails the page's test.
 
-Ports and databases, so that pages run side by side (pytest-xdist): the ports in ``PORTS`` are
-replaced, in every block, annotation and expected output of a page, by a free port of the page's own
-where they follow ``:``, ``=``, ``--port `` or ``-p `` (``localhost:8000``, ``PORT=8000``,
-``--port 8000``); and a page that names the PostgreSQL database ``/consumer_kit_docs`` (in a URL such
-as ``postgresql://postgres@127.0.0.1:5432/consumer_kit_docs``) gets a database of its own under
-another name, created before its first block and dropped after its last.
+Ports, databases and virtual hosts, so that pages run side by side (pytest-xdist) and apart from the
+other tests: the ports in ``PORTS`` are replaced, in every block, annotation and expected output of a
+page, by a free port of the page's own where they follow ``:``, ``=``, ``--port `` or ``-p ``
+(``localhost:8000``, ``PORT=8000``, ``--port 8000``); a page that names the PostgreSQL database
+``/consumer_kit_docs`` (in a URL such as ``postgresql://postgres@127.0.0.1:5432/consumer_kit_docs``)
+gets a database of its own under another name, created before its first block and dropped after its
+last; and a page that names RabbitMQ's default virtual host, ``amqp://guest:guest@127.0.0.1:5672/``
+(or ``.../5672/%2F``), gets a virtual host of its own in its place (``.../5672/consumer_kit_docs_…``),
+created before its first block, with every permission for ``guest``, and deleted after its last with
+every queue and exchange the page declared in it. The runner makes it through RabbitMQ's management
+HTTP API (``CK_TEST_RABBITMQ_API``, default ``http://127.0.0.1:15672``, as guest) when that answers,
+else with ``rabbitmqctl``. Other URLs (another user, password or virtual host) are left as written.
 """
 
 from __future__ import annotations
@@ -65,15 +78,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 PORTS = (8000, 8080, 5000)
 DATABASE = "consumer_kit_docs"
+AMQP_URL = "amqp://guest:guest@127.0.0.1:5672/"
 
 RUNNABLE = ("python", "sh", "bash", "console")
 FILES = ("toml", "yaml", "json", "ini", "dotenv")
 LANGUAGES = (*RUNNABLE, *FILES, "text")
-ANNOTATIONS = ("wait", "env", "exit", "timeout", "not-run")
+ANNOTATIONS = ("wait", "env", "exit", "timeout", "not-run", "checkout")
 
 _FENCE = re.compile(r"^(?P<indent> *)(?P<fence>`{3,}|~{3,})\s*(?P<info>[^`]*?)\s*$")
 _ANNOTATION = re.compile(r"^\s*<!--\s*docs:\s*(?P<kind>[a-z-]+)\s*(?P<arg>.*?)\s*-->\s*$")
 _FILENAME = re.compile(r"^# (?P<path>[\w.-]+(?:/[\w.-]+)*)\s*$")
+_DEFAULT_VHOST = re.compile(re.escape(AMQP_URL) + r"(?:%2F)?(?![\w%.-])")
 
 
 class PageError(Exception):
@@ -241,13 +256,20 @@ def mismatch(expected: str, actual: str) -> str | None:
     return None
 
 
-def substitute(text: str, ports: dict[int, int], database: str | None) -> str:
-    """``text`` with a page's own ports and database in place of the documented ones."""
+def substitute(text: str, ports: dict[int, int], database: str | None, vhost: str | None = None) -> str:
+    """``text`` with a page's own ports, database and virtual host in place of the documented ones."""
     for documented, own in ports.items():
         text = re.sub(rf"(?:(?<=[:=])|(?<=--port )|(?<=-p )){documented}(?!\d)", str(own), text)
     if database is not None:
         text = re.sub(rf"/{DATABASE}(?!\w)", f"/{database}", text)
+    if vhost is not None:
+        text = _DEFAULT_VHOST.sub(AMQP_URL + vhost, text)
     return text
+
+
+def names_default_vhost(text: str) -> bool:
+    """Whether ``text`` names RabbitMQ's default virtual host as :data:`AMQP_URL` does (see above)."""
+    return _DEFAULT_VHOST.search(text) is not None
 
 
 def tally(page: Path, root: Path = ROOT) -> dict[str, int]:

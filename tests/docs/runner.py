@@ -7,6 +7,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -14,18 +15,32 @@ import sys
 import time
 import tomllib
 import urllib.error
+import urllib.parse
 import urllib.request
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import httpx
 import yaml
 
 from consumer_kit import Settings
-from tests.docs.blocks import DATABASE, FILES, PORTS, ROOT, Block, console_commands, mismatch, parse, substitute
+from tests.docs.blocks import (
+    DATABASE,
+    FILES,
+    PORTS,
+    ROOT,
+    Block,
+    console_commands,
+    mismatch,
+    names_default_vhost,
+    parse,
+    substitute,
+)
 
 VENV_BIN = Path(sys.executable).parent
 PG_ADMIN_URL = os.environ.get("CK_TEST_PG_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
+RABBITMQ_API = os.environ.get("CK_TEST_RABBITMQ_API", "http://127.0.0.1:15672")
 DEFAULT_TIMEOUT = 60.0
 _BACKGROUND = re.compile(r"(?<![&|>])&\s*(#[^'\"]*)?$")
 _DOTENV_LINE = re.compile(r"^(export )?[A-Za-z_][A-Za-z0-9_]*=.*$")
@@ -67,17 +82,20 @@ def base_env() -> dict[str, str]:
 
 class PageRun:
     """One page's run: ``run()`` runs every block, raises :class:`BlockFailed` at the first that fails,
-    and always cleans up (background processes, the page's database)."""
+    and always cleans up (background processes, the page's database and virtual host)."""
 
     def __init__(self, page: Path, workdir: Path, root: Path = ROOT) -> None:
         self.page = page
+        self.root = root
         self.blocks = parse(page, root)
         self.dir = workdir / "project"
         self.private = workdir / "runner"  # the runner's own files, out of the user's directory
+        self.checkout = workdir / "checkout"  # made by the first block annotated docs: checkout
         self.ports = {port: free_port() for port in PORTS}
         text = (root / page).read_text(encoding="utf-8")
         uses_database = re.search(rf"/{DATABASE}(?!\w)", text) is not None
         self.database = f"{DATABASE}_{uuid.uuid4().hex[:12]}" if uses_database else None
+        self.vhost = f"{DATABASE}_{uuid.uuid4().hex[:12]}" if names_default_vhost(text) else None
         self.groups: list[int] = []  # process groups of blocks that left something in the background
         self.report = Report()
 
@@ -88,16 +106,22 @@ class PageRun:
         if self.database:
             _psql(f'CREATE DATABASE "{self.database}"')
         try:
+            if self.vhost:
+                rabbitmq_vhost(self.vhost, create=True)
             for block in self.blocks:
                 self._one(block)
         finally:
-            self._stop_background()
-            if self.database:
-                _psql(f'DROP DATABASE IF EXISTS "{self.database}" WITH (FORCE)')
+            self._stop_background()  # first: a worker still connected holds the vhost's queues
+            try:
+                if self.vhost:
+                    rabbitmq_vhost(self.vhost, create=False)
+            finally:
+                if self.database:
+                    _psql(f'DROP DATABASE IF EXISTS "{self.database}" WITH (FORCE)')
         return self.report
 
     def _text(self, text: str) -> str:
-        return substitute(text, self.ports, self.database)
+        return substitute(text, self.ports, self.database, self.vhost)
 
     def _one(self, block: Block) -> None:
         kind = block.kind
@@ -154,6 +178,11 @@ class PageRun:
 
     def _bash(self, block: Block, script: str) -> tuple[Path, int]:
         env_state, cwd_state = self.private / "env", self.private / "cwd"
+        start, keep_cwd = f'"$(cat {cwd_state})"', f"pwd > {cwd_state}; "
+        if block.annotation("checkout") is not None:
+            if not self.checkout.exists():
+                copy_checkout(self.root, self.checkout)
+            start, keep_cwd = shlex.quote(str(self.checkout)), ""  # the page's directory stays the page's
         names = [note.split("=", 1) for kind, note in block.annotations if kind == "env"]
         keep = "".join(f'__ck_{i}=${{{name}-__ck_unset}}; export {name}={shlex.quote(self._text(value))}\n'
                        for i, (name, value) in enumerate(names))
@@ -162,8 +191,8 @@ class PageRun:
         path = self.private / f"block-{block.line}.sh"
         path.write_text(
             f"if [ -f {env_state} ]; then source {env_state}; fi\n"
-            f'cd "$(cat {cwd_state})"\n{keep}'
-            f"trap '__ck_rc=$?; {restore}export -p > {env_state}; pwd > {cwd_state}; exit $__ck_rc' EXIT\n"
+            f"cd {start}\n{keep}"
+            f"trap '__ck_rc=$?; {restore}export -p > {env_state}; {keep_cwd}exit $__ck_rc' EXIT\n"
             "set -euo pipefail\n" + script, encoding="utf-8")
         output = self.private / f"block-{block.line}.out"
         background = any(_BACKGROUND.search(line) for line in script.splitlines())
@@ -241,6 +270,54 @@ def _check(block: Block, text: str) -> None:
     except (ValueError, yaml.YAMLError, configparser.Error) as exc:
         raise BlockFailed(f"{block.where}: not valid {block.lang}: {exc}") from None
     assert block.lang in FILES
+
+
+def copy_checkout(root: Path, into: Path) -> None:
+    """A checkout of the repository at ``root`` in ``into``: the files git tracks, as the working tree has
+    them (so a change not yet committed is what a page's block reads); every file of ``root`` when it is
+    no git work tree (the runner's own tests)."""
+    listed = subprocess.run(["git", "-C", str(root), "ls-files", "-z"], capture_output=True, timeout=60)
+    if listed.returncode != 0:
+        shutil.copytree(root, into, symlinks=True)
+        return
+    into.mkdir(parents=True)
+    for name in filter(None, listed.stdout.decode("utf-8").split("\0")):
+        source = root / name
+        if not source.is_symlink() and not source.exists():
+            continue  # deleted in the working tree, not yet in a commit
+        (into / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(source, into / name, follow_symlinks=False)
+
+
+def rabbitmq_vhost(name: str, *, create: bool) -> None:
+    """Create RabbitMQ's virtual host ``name``, with every permission for guest, or delete it with all it
+    holds: through the management HTTP API when it answers, else with ``rabbitmqctl``."""
+    api, quoted = f"{RABBITMQ_API.rstrip('/')}/api", urllib.parse.quote(name, safe="")
+    try:
+        with httpx.Client(auth=("guest", "guest"), timeout=30) as client:
+            if create:
+                client.put(f"{api}/vhosts/{quoted}").raise_for_status()
+                client.put(f"{api}/permissions/{quoted}/guest",
+                           json={"configure": ".*", "write": ".*", "read": ".*"}).raise_for_status()
+            else:
+                gone = client.delete(f"{api}/vhosts/{quoted}")
+                if gone.status_code != 404:
+                    gone.raise_for_status()
+        return
+    except httpx.ConnectError:
+        pass  # no management plugin on this broker: its command line below
+    except httpx.HTTPError as exc:
+        raise BlockFailed(f"RabbitMQ's management API at {RABBITMQ_API}, virtual host {name}: {exc}") from None
+    steps = ([["add_vhost", name], ["set_permissions", "-p", name, "guest", ".*", ".*", ".*"]] if create
+             else [["delete_vhost", name]])
+    for step in steps:
+        try:
+            done = subprocess.run(["rabbitmqctl", *step], capture_output=True, text=True, timeout=60)
+        except FileNotFoundError:
+            raise BlockFailed(f"the page's virtual host {name}: RabbitMQ's management API does not answer at "
+                              f"{RABBITMQ_API}, and rabbitmqctl is not installed") from None
+        if done.returncode != 0 and not (step[0] == "delete_vhost" and "does not exist" in done.stderr):
+            raise BlockFailed(f"rabbitmqctl {' '.join(step)}: {(done.stderr or done.stdout).strip()}")
 
 
 def _psql(statement: str) -> None:

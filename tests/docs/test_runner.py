@@ -3,12 +3,15 @@ breaks fails its page's test with the page and the line."""
 
 from __future__ import annotations
 
+import asyncio
 import textwrap
 from pathlib import Path
 
+import aio_pika
+import aiormq
 import pytest
 
-from tests.docs.blocks import PageError, file_block, mismatch, parse
+from tests.docs.blocks import PageError, file_block, mismatch, parse, substitute
 from tests.docs.runner import BlockFailed, PageRun
 
 FENCE = "```"
@@ -130,6 +133,77 @@ def test_the_page_database_is_its_own_and_goes_away(tmp_path: Path) -> None:
         """)
     assert done.database is not None and done.database != "consumer_kit_docs"
     assert done.report.outputs == ["docs/page.md:5"]
+
+
+def test_the_page_rabbitmq_virtual_host_is_its_own_and_goes_away(tmp_path: Path) -> None:
+    done = run(tmp_path, """
+        '''python
+        import asyncio
+
+        import aio_pika
+
+
+        async def main() -> None:
+            async with await aio_pika.connect("amqp://guest:guest@127.0.0.1:5672/") as connection:
+                channel = await connection.channel()
+                await channel.declare_queue("orders", durable=True)
+                print("virtual host", connection.url.path)
+
+
+        asyncio.run(main())
+        '''
+
+        '''text
+        virtual host /consumer_kit_docs_…
+        '''
+        """)
+    assert done.vhost is not None and done.report.outputs == ["docs/page.md:17"]
+
+    async def connect() -> None:
+        await aio_pika.connect(f"amqp://guest:guest@127.0.0.1:5672/{done.vhost}", timeout=10)
+
+    with pytest.raises(aiormq.exceptions.AMQPError):  # deleted at the page's end, with its queue
+        asyncio.run(connect())
+
+
+def test_only_the_default_virtual_host_of_guest_is_replaced() -> None:
+    own = "consumer_kit_docs_0a1b2c3d4e5f"
+    for written in ("amqp://guest:guest@127.0.0.1:5672/", "amqp://guest:guest@127.0.0.1:5672/%2F"):
+        assert substitute(f"RABBITMQ_URL={written} x", {}, None, own) == \
+            f"RABBITMQ_URL=amqp://guest:guest@127.0.0.1:5672/{own} x"
+    for kept in ("amqp://guest:guest@127.0.0.1:5672/shop", "amqp://guest:wrong@127.0.0.1:5672/",
+                 "amqp://guest:guest@127.0.0.1/"):
+        assert substitute(kept, {}, None, own) == kept
+
+
+def test_a_checkout_block_runs_in_a_copy_of_the_repository(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    (root / "deploy").mkdir(parents=True)
+    (root / "deploy" / "marker.txt").write_text("from the checkout\n")
+    name = page(root, """
+        <!-- docs: checkout -->
+        '''sh
+        cat deploy/marker.txt
+        export SEEN=yes
+        touch made-here
+        '''
+
+        '''text
+        from the checkout
+        '''
+
+        '''sh
+        echo "seen: $SEEN, here: $(ls -A | wc -l) files"
+        '''
+
+        '''text
+        seen: yes, here: 0 files
+        '''
+        """)
+    done = PageRun(name, tmp_path / "work", root)
+    done.run()
+    assert done.report.outputs == ["docs/page.md:8", "docs/page.md:16"]
+    assert (done.checkout / "made-here").exists() and not (root / "made-here").exists()
 
 
 def test_pages_that_break_the_conventions_are_refused(tmp_path: Path) -> None:
