@@ -6,8 +6,9 @@ that cannot be parsed, never a 500 with a traceback, never delivered again and a
   with its request bounds;
 - the coordinator's server, which answers a request it cannot read 400 ``invalid_request``, and its
   client, for which such an answer is the coordinator's failure (retryable), not the delivery's;
-- a RabbitMQ message whose handler reads ``ctx.delivery.json()``: parked ``unparseable`` at its first
-  delivery, where it used to fail with ``RecursionError`` until its deliveries ran out.
+- a RabbitMQ message, and an SQS one (moto), whose handler reads ``ctx.delivery.json()``: parked
+  ``unparseable`` at its first delivery, where it used to fail with ``RecursionError`` until its
+  deliveries ran out.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from consumer_kit.coordinator import (
 )
 from consumer_kit.retry import RetryPolicy
 from consumer_kit.sources.rabbitmq import RabbitMQSource
+from consumer_kit.sources.sqs import REASON_ATTRIBUTE, SQSSource
 from consumer_kit.sources.webhooks import (
     GitHubVerifier,
     HmacVerifier,
@@ -48,6 +50,7 @@ from consumer_kit.testing.server import served_asgi, served_coordinator
 from tests.conftest import make_settings
 from tests.integration.cloudevents_sink import BATCH, STRUCTURED, TOKEN, Sink
 from tests.integration.rabbit import AMQP_URL, delete_queues, depth, drain, publish, wait_until
+from tests.integration.sqs_env import Moto
 from tests.signing import github_headers, standard_headers, stripe_signature
 
 LEVELS = 100_000
@@ -209,3 +212,29 @@ async def test_a_rabbitmq_message_nested_100000_deep_is_parked_at_once(pg_databa
     assert attempts == [1, 1]  # each message was handled once: the deep one was not tried again
     [copy] = await drain(f"{queue}.dlq")
     assert copy.message_id == "deep-1"
+
+
+@pytest.mark.sqs
+async def test_an_sqs_message_nested_100000_deep_is_parked_at_once(moto: Moto, sqlite_url: str) -> None:
+    url, dlq = await moto.queue()
+    app = ConsumerApp(moto.settings(sqlite_url, max_deliveries=5))
+    source = SQSSource(queue_url=url, namespace="deep-sqs", version=1, dead_letter_queue_url=dlq)
+    attempts: list[int] = []
+
+    @app.handler(source, name="deep-sqs")
+    async def handle(ctx: Context) -> None:
+        attempts.append(ctx.attempt)
+        ctx.delivery.json()
+
+    async with app.running():
+        await moto.send(url, [{"MessageBody": DEEP.decode()}, {"MessageBody": '{"n": 1}'}])
+
+        async def settled() -> bool:
+            return await moto.depth(dlq) == 1 and await moto.depth(url) == 0 and len(attempts) >= 2
+
+        await wait_until(settled, 30, "the deep message parked")
+        [parked] = await app.dead_letters.list(reason="unparseable")
+    assert parked.body == DEEP
+    assert attempts == [1, 1]
+    [copy] = await moto.drain(dlq)
+    assert copy["MessageAttributes"][REASON_ATTRIBUTE]["StringValue"] == "unparseable"
