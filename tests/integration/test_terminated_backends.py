@@ -58,10 +58,7 @@ class Seen(logging.Handler):
         logging.Handler.__init__(self, logging.DEBUG)
 
     def emit(self, record: logging.LogRecord) -> None:
-        shown = record.getMessage()
-        if record.exc_info and record.exc_info[1] is not None:
-            shown += "\n" + logging.Formatter().formatException(record.exc_info)
-        self.note(shown)
+        self.note(record.getMessage() + "\n" + said(record.exc_info[1] if record.exc_info else None))
 
     def note(self, shown: str) -> None:
         if any(sign in shown for sign in SIGNS):
@@ -70,6 +67,20 @@ class Seen(logging.Handler):
     def loop_exception(self, loop: asyncio.AbstractEventLoop, context: dict[str, object]) -> None:
         self.note(f"{context.get('message')} {context.get('exception')!r}")
         loop.default_exception_handler(context)
+
+
+def said(exc: BaseException | None) -> str:
+    """An exception and what it was raised from or during. Not the driver's error SQLAlchemy keeps under
+    the one it raises (it chains one under every error, and the store's hook cannot unchain it): that
+    the statement failed as a lost connection is what the error raised says."""
+    shown: list[str] = []
+    while exc is not None:
+        shown.append(f"{type(exc).__name__}: {exc}")
+        if isinstance(exc, DBAPIError) and isinstance(getattr(exc.orig, "__cause__", None),
+                                                      asyncpg.ConnectionDoesNotExistError):
+            break
+        exc = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
+    return "\n".join(shown)
 
 
 @contextlib.contextmanager
