@@ -5,7 +5,6 @@ from __future__ import annotations
 import enum
 import functools
 import hashlib
-import json
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -13,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from consumer_kit.errors import MissingStableId
 from consumer_kit.keys import OperationKey
+from consumer_kit.untrusted import loads_json
 
 if TYPE_CHECKING:
     from consumer_kit.settings import Settings
@@ -63,8 +63,9 @@ class Delivery:
     delivery older than the inbox's retention may repeat one whose record was swept."""
 
     def json(self) -> Any:
-        """The body parsed as JSON."""
-        return json.loads(self.body)
+        """The body parsed as JSON; a body that is not JSON (or nests deeper than any real one) raises
+        :class:`~consumer_kit.untrusted.UnparseableJson`, a ``ValueError`` that parks the delivery."""
+        return loads_json(self.body, strict=False)
 
     def text(self, encoding: str = "utf-8") -> str:
         """The body decoded as text."""
