@@ -16,19 +16,19 @@ EXPECTED: dict[str, dict[str, int]] = {
     "docs/handlers.md": dict(found=22, run=12, written=3, checked=0, outputs=7, shown=0, not_run=0),
     "docs/inbox-outbox.md": dict(found=4, run=2, written=0, checked=0, outputs=2, shown=0, not_run=0),
     "docs/index.md": dict(found=0, run=0, written=0, checked=0, outputs=0, shown=0, not_run=0),
-    "docs/operating/cli.md": dict(found=14, run=7, written=2, checked=0, outputs=5, shown=0, not_run=0),
+    "docs/operating/cli.md": dict(found=28, run=13, written=4, checked=0, outputs=11, shown=0, not_run=0),
     "docs/operating/compose.md": dict(found=3, run=1, written=0, checked=0, outputs=0, shown=0, not_run=2),
-    "docs/operating/metrics.md": dict(found=5, run=2, written=1, checked=0, outputs=2, shown=0, not_run=0),
-    "docs/operating/parked.md": dict(found=13, run=6, written=1, checked=0, outputs=6, shown=0, not_run=0),
-    "docs/operating/tracing.md": dict(found=8, run=3, written=0, checked=1, outputs=3, shown=1, not_run=0),
+    "docs/operating/metrics.md": dict(found=9, run=4, written=1, checked=0, outputs=4, shown=0, not_run=0),
+    "docs/operating/parked.md": dict(found=18, run=9, written=1, checked=0, outputs=8, shown=0, not_run=0),
+    "docs/operating/tracing.md": dict(found=14, run=5, written=2, checked=1, outputs=5, shown=1, not_run=0),
     "docs/operating/troubleshooting.md": dict(found=10, run=4, written=2, checked=0, outputs=4, shown=0, not_run=0),
     "docs/reference.md": dict(found=4, run=1, written=0, checked=0, outputs=1, shown=2, not_run=0),
     "docs/sources/cloudevents.md": dict(found=9, run=5, written=1, checked=0, outputs=3, shown=0, not_run=0),
     "docs/sources/rabbitmq.md": dict(found=12, run=7, written=3, checked=0, outputs=2, shown=0, not_run=0),
-    "docs/sources/schedules.md": dict(found=12, run=6, written=1, checked=0, outputs=5, shown=0, not_run=0),
+    "docs/sources/schedules.md": dict(found=14, run=7, written=1, checked=0, outputs=6, shown=0, not_run=0),
     "docs/sources/sqs.md": dict(found=14, run=9, written=2, checked=0, outputs=3, shown=0, not_run=0),
     "docs/sources/webhooks.md": dict(found=15, run=8, written=3, checked=0, outputs=4, shown=0, not_run=0),
     "docs/testing.md": dict(found=9, run=3, written=3, checked=0, outputs=3, shown=0, not_run=0),
 }
 
-TOTAL = dict(found=187, run=91, written=24, checked=1, outputs=62, shown=3, not_run=6)
+TOTAL = dict(found=218, run=105, written=28, checked=1, outputs=75, shown=3, not_run=6)
