@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import subprocess
 import time
@@ -36,3 +37,14 @@ def stop_cleanly(process: subprocess.Popen[str], *, seconds: float = 30) -> str:
     assert process.returncode == 0, output
     assert "Traceback" not in output, output
     return output
+
+
+async def terminated(process: subprocess.Popen[str], *, seconds: float = 30) -> int:
+    """SIGTERM, then the exit code once the process ends, waited for off the event loop; a process still
+    running ``seconds`` later is killed and the wait's timeout raised."""
+    process.send_signal(signal.SIGTERM)
+    try:
+        return await asyncio.to_thread(process.wait, seconds)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        raise

@@ -13,7 +13,6 @@ import json
 import os
 import re
 import secrets
-import signal
 import subprocess
 import sys
 from collections import Counter
@@ -27,6 +26,7 @@ from consumer_kit import ConsumerApp
 from tests.acceptance import failing_app
 from tests.conftest import TEST_HMAC_KEY, make_settings, truncate_all
 from tests.integration.rabbit import AMQP_URL, declare, delete_queues, publish, wait_until
+from tests.processes import terminated
 
 pytestmark = pytest.mark.rabbitmq
 
@@ -108,12 +108,7 @@ async def run_worker_until_parked(env: dict[str, str], log: Path) -> tuple[str, 
 
             await wait_until(parked, 30, "the payment to be parked")
     finally:
-        worker.send_signal(signal.SIGTERM)
-        try:
-            code = await asyncio.to_thread(worker.wait, 30)
-        except subprocess.TimeoutExpired:
-            worker.kill()
-            raise
+        code = await terminated(worker)
     text = await asyncio.to_thread(log.read_text)
     assert code == 0, text[-3000:]
     return text, observer

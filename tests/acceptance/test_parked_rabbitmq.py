@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import os
 import secrets
-import signal
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -20,6 +19,7 @@ from consumer_kit import ConsumerApp
 from tests.acceptance.cli_run import cli
 from tests.conftest import TEST_HMAC_KEY, make_settings, truncate_all
 from tests.integration.rabbit import AMQP_URL, declare, delete_queues, depth, drain, publish, wait_until
+from tests.processes import terminated
 
 pytestmark = [pytest.mark.rabbitmq, pytest.mark.postgres]
 
@@ -101,12 +101,7 @@ async def test_a_parked_rabbitmq_message_replays_once_then_as_a_duplicate(
             shown = (await asyncio.to_thread(cli, "parked", "show", letter.id)).json()[0]
             assert shown["replays"] == 2 and [h["outcome"] for h in shown["history"]] == ["requeued", "requeued"]
     finally:
-        worker.send_signal(signal.SIGTERM)
-        try:
-            code = await asyncio.to_thread(worker.wait, 30)
-        except subprocess.TimeoutExpired:
-            worker.kill()
-            raise
+        code = await terminated(worker)
     assert code == 0, log.read_text()[-3000:]
     # One traceback only: the handler's TerminalError, logged with the park it caused; nothing crashed.
     assert log.read_text().count("Traceback") == 1
