@@ -15,6 +15,7 @@ BENCHMARKS = {
     "batch": "bench.batch",
     "sqs": "bench.sqs",
     "otel": "bench.otel",
+    "cli": "bench.cli",
 }
 
 
