@@ -7,6 +7,7 @@ import nothing of the framework but the key's type.
 
 from __future__ import annotations
 
+import json
 import traceback
 from typing import TYPE_CHECKING
 
@@ -18,11 +19,21 @@ SHORTEST_SECRET_ID = 6
 
 
 def redact(text: str, key: OperationKey | None) -> str:
-    """``text`` with the raw key and its id replaced by ``<key>``."""
+    """``text`` with the raw key and its id replaced by ``<key>``, as written and as a ``repr``, ``ascii``
+    or JSON string would escape them (a ``KeyError``'s message is the ``repr`` of its argument, so a key
+    with a backslash, both quotes or an invisible character is not in it as written)."""
     if key is None:
         return text
-    text = text.replace(str(key), "<key>")
-    return text.replace(key.id, "<key>") if len(key.id) >= SHORTEST_SECRET_ID else text
+    secrets = [str(key)] + ([key.id] if len(key.id) >= SHORTEST_SECRET_ID else [])
+    for form in sorted({form for secret in secrets for form in _written(secret)}, key=len, reverse=True):
+        text = text.replace(form, "<key>")
+    return text
+
+
+def _written(secret: str) -> set[str]:
+    """The ways ``secret`` can appear in a message: as is, and inside the quotes of its escaped forms."""
+    return {secret, repr(secret)[1:-1], ascii(secret)[1:-1], json.dumps(secret)[1:-1],
+            json.dumps(secret, ensure_ascii=False)[1:-1]}
 
 
 def describe(exc: BaseException, key: OperationKey | None) -> str:
