@@ -127,6 +127,14 @@ class Settings(BaseSettings):
     rabbitmq_url: SecretStr | None = Field(
         None, description="AMQP URL of the broker (it carries credentials, so it has no default)."
     )
+    nats_url: SecretStr | None = Field(
+        None, description="NATS server URL, nats://[user:password@]host:4222 (it may carry credentials, so it has no "
+        "default); several, comma-separated, for a cluster."
+    )
+    redis_url: SecretStr | None = Field(
+        None, description="Redis URL, redis://[:password@]host:6379/0 or rediss:// (it may carry a password, so it "
+        "has no default)."
+    )
     sqs_endpoint_url: str | None = Field(
         None, description="SQS endpoint (LocalStack, moto, a VPC endpoint); unset = AWS's for the region."
     )
@@ -164,6 +172,24 @@ class Settings(BaseSettings):
     def _amqp(cls, value: SecretStr | None) -> SecretStr | None:
         if value is not None and scheme(value.get_secret_value()) not in ("amqp", "amqps"):
             raise ValueError(f"must be an amqp:// or amqps:// URL (amqp://user:password@host:5672/vhost), "
+                             f"{_not(value.get_secret_value())}")
+        return value
+
+    @field_validator("nats_url")
+    @classmethod
+    def _nats(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None:
+            for server in value.get_secret_value().split(","):
+                if scheme(server.strip()) not in ("nats", "tls", "ws", "wss"):
+                    raise ValueError(f"must be a nats:// URL (nats://user:password@host:4222), or several "
+                                     f"comma-separated, {_not(server.strip())}")
+        return value
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None and scheme(value.get_secret_value()) not in ("redis", "rediss", "unix"):
+            raise ValueError(f"must be a redis:// or rediss:// URL (redis://:password@host:6379/0), "
                              f"{_not(value.get_secret_value())}")
         return value
 
@@ -232,14 +258,24 @@ class Settings(BaseSettings):
 
     def require_rabbitmq_url(self, explicit: str | None = None) -> str:
         """``explicit`` when given, else ``RABBITMQ_URL``; a clear error when neither is set."""
-        if explicit:
-            return explicit
-        if self.rabbitmq_url is None:
-            raise ConfigurationError(
-                "RABBITMQ_URL is not set: set it (for example amqp://user:password@host:5672/vhost) or "
-                "pass url=... to the RabbitMQ source or publisher."
-            )
-        return self.rabbitmq_url.get_secret_value()
+        return _required(explicit, self.rabbitmq_url, "RABBITMQ_URL", "amqp://user:password@host:5672/vhost", "RabbitMQ")
+
+    def require_nats_url(self, explicit: str | None = None) -> str:
+        """``explicit`` when given, else ``NATS_URL``; a clear error when neither is set."""
+        return _required(explicit, self.nats_url, "NATS_URL", "nats://user:password@host:4222", "NATS")
+
+    def require_redis_url(self, explicit: str | None = None) -> str:
+        """``explicit`` when given, else ``REDIS_URL``; a clear error when neither is set."""
+        return _required(explicit, self.redis_url, "REDIS_URL", "redis://:password@host:6379/0", "Redis stream")
+
+
+def _required(explicit: str | None, setting: SecretStr | None, name: str, example: str, what: str) -> str:
+    if explicit:
+        return explicit
+    if setting is None:
+        raise ConfigurationError(f"{name} is not set: set it (for example {example}) or pass url=... to the "
+                                 f"{what} source or publisher.")
+    return setting.get_secret_value()
 
 
 def explain(exc: ValidationError) -> str:
