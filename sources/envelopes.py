@@ -302,8 +302,18 @@ def amqp_cloudevent(delivery: Delivery, content_type: str | None) -> Delivery:
     """The CloudEvent in an AMQP message (the CloudEvents AMQP binding): structured mode when the
     content type is ``application/cloudevents+json``, binary mode when ``cloudEvents_*`` /
     ``cloudEvents:*`` application properties (headers) carry the attributes."""
+    return header_cloudevent(delivery, content_type, _AMQP_CE_PREFIXES)
+
+
+def header_cloudevent(delivery: Delivery, content_type: str | None, prefixes: tuple[str, ...], *,
+                      structured_by_default: bool = False) -> Delivery:
+    """The CloudEvent in a message whose headers carry its attributes under one of ``prefixes``
+    (lower case; binary mode), or whose body is the event (structured mode: the content type is
+    ``application/cloudevents+json``, or, with ``structured_by_default``, no attribute header is there:
+    the NATS binding's first version knew only that mode and no content type)."""
     media = (content_type or "").split(";", 1)[0].strip().lower()
-    if media == "application/cloudevents+json":
+    binary = any(name.lower().startswith(prefixes) for name in delivery.headers)
+    if media == "application/cloudevents+json" or (structured_by_default and not binary and not media):
         try:
             return structured_cloudevent(_json(delivery.body), delivery.body, delivery.headers, delivery.attempt)
         except Exception as exc:  # as in unwrap(): a body built to break the parser is parked, not retried
@@ -316,14 +326,14 @@ def amqp_cloudevent(delivery: Delivery, content_type: str | None) -> Delivery:
     others: dict[str, str] = {}
     for name, value in delivery.headers.items():
         lowered = name.lower()
-        prefix = next((p for p in _AMQP_CE_PREFIXES if lowered.startswith(p)), None)
+        prefix = next((p for p in prefixes if lowered.startswith(p)), None)
         if prefix is None:
             others[name] = value
         else:
             attributes[lowered[len(prefix):]] = value
     if attributes.get("specversion") != "1.0" or not attributes.get("type"):
         return _mismatch(delivery.body, delivery.headers, delivery.attempt,
-                         "not a CloudEvents 1.0 event (no cloudEvents_specversion/type application properties)")
+                         f"not a CloudEvents 1.0 event (no {prefixes[0]}specversion/type headers)")
     return _binary_cloudevent(attributes, content_type, delivery.body, others, delivery.attempt)
 
 
