@@ -27,6 +27,7 @@ from consumer_kit.sources.envelopes import (
     is_s3_test_event,
     require_cloudevents,
 )
+from consumer_kit.sources.pulling import OneAtATime
 from consumer_kit.sources.sqs.client import (
     BATCH_MAX,
     MAX_VISIBILITY_SECONDS,
@@ -138,7 +139,7 @@ class SQSSource(EnvelopedSource):
         self._messages: dict[str, HeldMessage] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._groups: dict[str, HeldMessage] = {}  # FIFO: the newest held message of each group
-        self._running_keys: dict[str, asyncio.Future[None]] = {}  # keys being dispatched now
+        self._keys = OneAtATime()  # keys being dispatched now
         self._unsettled = 0  # held messages not yet settling (running, or about to)
         self._pollers: set[asyncio.Task[None]] = set()
         self._heartbeat: asyncio.Task[None] | None = None
@@ -341,22 +342,14 @@ class SQSSource(EnvelopedSource):
             self._forget(message)
 
     async def _one_at_a_time(self, delivery: Delivery) -> Result:
-        """Dispatch ``delivery``, after any delivery of the same key this source is running now has
-        finished: a re-sent copy in the same receive then meets a completed inbox row (acknowledged
-        as a duplicate) instead of a live lease (sent back to the queue until the lease runs out)."""
+        """Dispatch ``delivery`` after any delivery of the same key this source is running now (see
+        :class:`~consumer_kit.sources.pulling.OneAtATime`)."""
         assert self._dispatch is not None
         try:
-            key = str(self.key(delivery))
+            key: str | None = str(self.key(delivery))
         except Exception:
-            return await self._dispatch(delivery)  # it cannot be keyed: the pipeline parks it
-        while (running := self._running_keys.get(key)) is not None:
-            await asyncio.wait([running])
-        self._running_keys[key] = done = asyncio.get_running_loop().create_future()
-        try:
-            return await self._dispatch(delivery)
-        finally:
-            del self._running_keys[key]
-            done.set_result(None)
+            key = None  # it cannot be keyed: the pipeline parks it
+        return await self._keys.run(key, functools.partial(self._dispatch, delivery))
 
     @contextlib.asynccontextmanager
     async def requeuer(self, settings: Settings) -> AsyncIterator[Send]:
