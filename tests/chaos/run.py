@@ -1,16 +1,21 @@
-"""The chaos run: a real worker on RabbitMQ and PostgreSQL, killed and cut off while it works.
+"""The chaos run: a real worker on a broker (RabbitMQ, NATS JetStream or Redis Streams) and PostgreSQL,
+killed and cut off while it works.
 
-For one path (``default``, ``single``, ``batch``, ``outbox``): publish ``messages`` distinct messages
-plus 10% duplicates (the same ``message_id`` sent again), run ``consumer-kit run
+For one transport and path (RabbitMQ: ``default``, ``single``, ``batch``, ``outbox``; NATS and Redis:
+``default``, ``single``): publish ``messages`` distinct messages plus 10% duplicates (the same business
+id sent again: AMQP ``message_id``, ``Nats-Msg-Id``, Redis field ``chaos-id``), run ``consumer-kit run
 tests.chaos.worker:app``, and while it consumes: SIGKILL it ``kills`` times at random points of its
-progress (starting it again each time), have the broker close its connections once, and terminate its
-database backends once (or, ``--crash``, crash the database server, one of the run's own, and start it
-again). Then let it finish, stop it with SIGTERM and count: effects lost and doubled, messages left in
-the queues, messages unacked, parked deliveries, and (outbox) the distinct message ids that reached the
-downstream queue.
+progress (starting it again each time), hit the broker once (RabbitMQ closes the worker's connections;
+the NATS or Redis server, one of the run's own, is killed with SIGKILL and started again), and terminate
+its database backends once (or, ``--crash``, crash the database server, one of the run's own, and start
+it again). Then let it finish, stop it with SIGTERM and count: effects lost and doubled, messages left
+over (not yet delivered, or on a dead-letter queue or stream), messages delivered and unsettled, parked
+deliveries, and (outbox) the distinct message ids that reached the downstream queue. What differs by
+transport is in tests/chaos/transport.py and its three broker_*.py.
 
-``python -m tests.chaos.run [--messages 10000] [--kills 6] [--runs 3] [--paths default,single,outbox] [--crash]``
-prints one line per run; the test suite runs a small size of it (tests/chaos/test_chaos.py).
+``python -m tests.chaos.run [--transport rabbitmq|nats|redis] [--messages 10000] [--kills 6] [--runs 3]
+[--paths default,single,outbox] [--crash]`` prints one line per run; the test suite runs a small size of
+it (tests/chaos/test_chaos.py).
 """
 
 from __future__ import annotations
@@ -27,14 +32,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import aio_pika
 import asyncpg
 
 from tests.chaos.server import OwnServer
-from tests.integration.rabbit import close_connections_named
+from tests.chaos.transport import Transport, transport, transport_class
 
 ROOT = Path(__file__).resolve().parents[2]
-AMQP_URL = "amqp://guest:guest@127.0.0.1:5672/"
 PG_ADMIN = "postgresql://postgres@127.0.0.1:5432/postgres"
 HMAC_KEY = "chaos-hmac-key-0123456789abcdef"
 
@@ -54,8 +57,10 @@ class Report:
     seconds: float
     crashed: bool = False  # the database server was crashed, not its backends terminated
     done_at_fault: int = 0  # effects committed when the database was cut or crashed
-    done_at_cut: int = 0  # effects committed when the broker had closed the worker's connection
+    done_at_cut: int = 0  # effects committed when the broker fault (cut or server restart) was over
     recovered: bool = False  # the crashed server replayed its WAL as it started again (crash runs)
+    transport: str = "rabbitmq"
+    broker_fault: str = "broker cut"  # the transport's fault: "broker cut" (RabbitMQ), "server restart"
 
     @property
     def clean(self) -> bool:
@@ -64,27 +69,14 @@ class Report:
 
     def line(self) -> str:
         downstream = "" if self.downstream_distinct is None else f" downstream distinct ids {self.downstream_distinct}"
-        return (f"{self.path:8s} {self.messages} messages ({self.published} published with duplicates),"
-                f" {self.kills} SIGKILLs + 1 broker cut + 1 database {'crash' if self.crashed else 'cut'}:"
+        label = self.path if self.transport == "rabbitmq" else f"{self.transport} {self.path}"
+        return (f"{label:8s} {self.messages} messages ({self.published} published with duplicates),"
+                f" {self.kills} SIGKILLs + 1 {self.broker_fault} + 1 database {'crash' if self.crashed else 'cut'}:"
                 f" lost {self.lost}, doubled"
                 f" {self.doubled}, left in queue {self.left_in_queue}, unacked {self.unacked}, parked"
-                f" {self.parked}{downstream}; the broker cut came after {self.done_at_cut} effects, the"
+                f" {self.parked}{downstream}; the {self.broker_fault} came after {self.done_at_cut} effects, the"
                 f" database fault after {self.done_at_fault}"
                 f" ({self.seconds:.0f} s) -> {'OK' if self.clean else 'FAILED'}")
-
-
-def _queue_counts(prefix: str) -> tuple[int, int]:
-    """(ready, unacked) over ``prefix`` and every ``prefix.*`` queue (retry queues, the DLQ)."""
-    out = subprocess.run(["rabbitmqctl", "list_queues", "name", "messages_ready", "messages_unacknowledged",
-                          "-q", "--no-table-headers"], capture_output=True, text=True, timeout=60, check=True).stdout
-    ready = unacked = 0
-    for line in out.splitlines():
-        parts = line.split()
-        if len(parts) == 3 and (parts[0] == prefix or parts[0].startswith(prefix + ".")) \
-                and not parts[0].endswith(".out"):
-            ready += int(parts[1])
-            unacked += int(parts[2])
-    return ready, unacked
 
 
 class Worker:
@@ -113,47 +105,6 @@ class Worker:
             return -9
 
 
-async def _publish(queue: str, ids: list[str]) -> None:
-    connection = await aio_pika.connect(AMQP_URL)
-    async with connection:
-        channel = await connection.channel(publisher_confirms=True)
-        await channel.declare_queue(queue, durable=True)
-        await channel.declare_queue(f"{queue}.out", durable=True)
-        for start in range(0, len(ids), 500):
-            await asyncio.gather(*(channel.default_exchange.publish(
-                aio_pika.Message(message_id.encode(), message_id=message_id,
-                                 delivery_mode=aio_pika.DeliveryMode.PERSISTENT), routing_key=queue)
-                for message_id in ids[start:start + 500]))
-
-
-async def _downstream_ids(queue: str) -> set[str]:
-    ids: set[str] = set()
-    connection = await aio_pika.connect(AMQP_URL)
-    async with connection:
-        channel = await connection.channel()
-        declared = await channel.declare_queue(f"{queue}.out", durable=True)
-        while (message := await declared.get(fail=False, timeout=5)) is not None:
-            await message.ack()
-            ids.add(message.body.decode())
-    return ids
-
-
-async def _delete_queues(queue: str) -> None:
-    command = ["rabbitmqctl", "list_queues", "name", "-q", "--no-table-headers"]
-    listing = await asyncio.to_thread(subprocess.run, command, capture_output=True, text=True, timeout=60,
-                                      check=True)
-    out = listing.stdout
-    names = [n.strip() for n in out.splitlines() if n.strip() == queue or n.strip().startswith(queue + ".")]
-    connection = await aio_pika.connect(AMQP_URL)
-    async with connection:
-        for name in names:
-            channel = await connection.channel()
-            try:
-                await channel.queue_delete(name)
-            except Exception:
-                pass
-
-
 async def _done(db: asyncpg.Connection, at_least: float, *, of: int, patience: float = 120) -> int:
     """Wait until ``at_least`` effects are committed, or all ``of`` them (or ``patience`` seconds pass:
     the final count then tells what was lost); the count."""
@@ -165,11 +116,11 @@ async def _done(db: asyncpg.Connection, at_least: float, *, of: int, patience: f
         await asyncio.sleep(0.05)
 
 
-async def _cut_broker(url: str, name: str) -> int:
-    """Have the broker close the worker's connection (rabbitmqctl takes a second or two); the effects
-    committed by then, counted on a connection of its own (the database may be down for a moment)."""
-    closed = await asyncio.to_thread(close_connections_named, name)
-    assert closed > 0, f"no broker connection named {name} to close"
+async def _broker_fault(url: str, broker: Transport) -> int:
+    """The transport's broker fault (a cut takes rabbitmqctl a second or two; a restart, the server's
+    start); the effects committed by then, counted on a connection of its own (the database may be down
+    for a moment)."""
+    await broker.fault()
     for attempt in range(20):
         try:
             counter = await asyncpg.connect(url)
@@ -184,13 +135,54 @@ async def _cut_broker(url: str, name: str) -> int:
     raise AssertionError("unreachable")
 
 
+async def _faults(db: asyncpg.Connection, url: str, worker: Worker, broker: Transport, server: OwnServer | None,
+                  rng: random.Random, messages: int, kills: int) -> tuple[asyncpg.Connection, int, int, bool]:
+    """SIGKILL the worker ``kills`` times, the broker fault once, the database fault once (see run());
+    the counting connection (a new one after the database fault), the effects done at the database and
+    the broker fault, and whether a crashed server recovered."""
+    # Each fault fires when a share of the work is done, not after a time: on a fast host a timed
+    # fault came after the last message and proved nothing. Kill i near i/(kills + 2) of the way;
+    # the broker fault half a step after kill 2, the database fault half a step or more after kill 3.
+    # Every fault also waits for the worker started last to have done a little of the work, so
+    # that it hits a worker that is consuming, not one still starting (a broker cut then found no
+    # connection to close).
+    step = messages / (kills + 2)
+    cut_after, db_cut_after = min(2, kills), min(3, kills)
+    done_at_fault = done_at_cut = restarted_at = 0
+    recovered = False
+    for number in range(1, kills + 1):
+        await _done(db, max(step * (number + rng.uniform(-0.3, 0.3)), restarted_at + step / 5), of=messages)
+        worker.kill()
+        restarted_at = await _done(db, 0, of=messages)
+        worker.start()
+        if number == cut_after:  # awaited: the next kill must not come while rabbitmqctl looks
+            await _done(db, max(step * (number + 0.5), restarted_at + step / 5), of=messages)
+            done_at_cut = await _broker_fault(url, broker)
+        if number == db_cut_after:
+            done_at_fault = await _done(db, max(step * (number + rng.uniform(0.5, 0.9)),
+                                                restarted_at + step / 5), of=messages)
+            if server is not None:  # every server process quits at once; the start replays the WAL
+                await asyncio.to_thread(server.crash)
+                db.terminate()
+                await asyncio.to_thread(server.start)
+                # the whole log: reconnecting workers' "starting up" lines can bury the line
+                recovered = "automatic recovery in progress" in server.log()
+            else:
+                await db.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+                                 " WHERE datname = current_database() AND pid <> pg_backend_pid()")
+                await db.close()
+            db = await asyncpg.connect(url)
+    return db, done_at_fault, done_at_cut, recovered
+
+
 async def run(path: str, messages: int, kills: int, *, settle_seconds: float = 900, log_dir: Path | None = None,
-              seed: int | None = None, crash: bool = False) -> Report:
-    """One chaos run (see the module docstring); ``crash``: on a server of its own (:class:`OwnServer`),
-    crashed and started again instead of having its backends terminated."""
+              seed: int | None = None, crash: bool = False, transport_name: str = "rabbitmq") -> Report:
+    """One chaos run (see the module docstring) on ``transport_name``; ``crash``: on a database server of
+    its own (:class:`OwnServer`), crashed and started again instead of having its backends terminated."""
     rng = random.Random(seed)
     token = secrets.token_hex(4)
-    database, queue = f"ck_chaos_{token}", f"ck-chaos-{token}"
+    broker = transport(transport_name, token)
+    database = f"ck_chaos_{token}"
     server = OwnServer() if crash else None
     if server is not None:
         await asyncio.to_thread(server.start)
@@ -198,13 +190,14 @@ async def run(path: str, messages: int, kills: int, *, settle_seconds: float = 9
     admin = await asyncpg.connect(admin_url)
     await admin.execute(f'CREATE DATABASE "{database}"')
     url = admin_url.rsplit("/", 1)[0] + f"/{database}"
-    log = (log_dir or Path("/tmp")) / f"chaos-{path}-{token}.log"
+    log = (log_dir or Path("/tmp")) / f"chaos-{transport_name}-{path}-{token}.log"
     started = time.monotonic()
     worker: Worker | None = None
     try:
-        env = dict(os.environ, DATABASE_URL=url, IDEMPOTENCY_HMAC_KEY=HMAC_KEY, RABBITMQ_URL=AMQP_URL,
-                   CHAOS_PATH=path, CHAOS_QUEUE=queue, INBOX_LEASE_SECONDS="2", SHUTDOWN_GRACE_SECONDS="5",
-                   DB_POOL_SIZE="8", OUTBOX_POLL_SECONDS="0.2", RETRY_LATER_SECONDS="0.5")
+        await broker.start()
+        env = dict(os.environ, DATABASE_URL=url, IDEMPOTENCY_HMAC_KEY=HMAC_KEY, CHAOS_PATH=path,
+                   INBOX_LEASE_SECONDS="2", SHUTDOWN_GRACE_SECONDS="5", DB_POOL_SIZE="8",
+                   OUTBOX_POLL_SECONDS="0.2", RETRY_LATER_SECONDS="0.5", **broker.env())
         migrate = await asyncio.to_thread(
             subprocess.run, [str(Path(sys.executable).with_name("consumer-kit")), "db", "upgrade"], cwd=ROOT,
             env=env, capture_output=True, timeout=120)
@@ -215,55 +208,13 @@ async def run(path: str, messages: int, kills: int, *, settle_seconds: float = 9
         resent = rng.sample(ids, messages // 10)
         everything = ids + resent
         rng.shuffle(everything)
-        await _publish(queue, everything)
+        await broker.publish(everything)
 
         worker = Worker(env, log)
         worker.start()
-        # Each fault fires when a share of the work is done, not after a time: on a fast host a timed
-        # fault came after the last message and proved nothing. Kill i near i/(kills + 2) of the way;
-        # the broker cut half a step after kill 2, the database fault half a step or more after kill 3.
-        # Every fault also waits for the worker started last to have done a little of the work, so
-        # that it hits a worker that is consuming, not one still starting (a broker cut then found no
-        # connection to close).
-        step = messages / (kills + 2)
-        cut_after, db_cut_after = min(2, kills), min(3, kills)
-        done_at_fault = 0
-        done_at_cut = 0
-        recovered = False
-        restarted_at = 0
-        for number in range(1, kills + 1):
-            await _done(db, max(step * (number + rng.uniform(-0.3, 0.3)), restarted_at + step / 5), of=messages)
-            worker.kill()
-            restarted_at = await _done(db, 0, of=messages)
-            worker.start()
-            if number == cut_after:  # awaited: the next kill must not come while rabbitmqctl looks
-                await _done(db, max(step * (number + 0.5), restarted_at + step / 5), of=messages)
-                done_at_cut = await _cut_broker(url, f"{queue}-worker")
-            if number == db_cut_after:
-                done_at_fault = await _done(db, max(step * (number + rng.uniform(0.5, 0.9)),
-                                                    restarted_at + step / 5), of=messages)
-                if server is not None:  # every server process quits at once; the start replays the WAL
-                    await asyncio.to_thread(server.crash)
-                    db.terminate()
-                    await asyncio.to_thread(server.start)
-                    # the whole log: reconnecting workers' "starting up" lines can bury the line
-                    recovered = "automatic recovery in progress" in server.log()
-                else:
-                    await db.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
-                                     " WHERE datname = current_database() AND pid <> pg_backend_pid()")
-                    await db.close()
-                db = await asyncpg.connect(url)
-
-        deadline = time.monotonic() + settle_seconds
-        while True:
-            ready, unacked = _queue_counts(queue)
-            pending = await db.fetchval("SELECT count(*) FROM outbox WHERE published_at IS NULL")
-            if ready == unacked == pending == 0:
-                break
-            if time.monotonic() > deadline:
-                break
-            await asyncio.sleep(1)
-        await asyncio.sleep(1)
+        db, done_at_fault, done_at_cut, recovered = await _faults(db, url, worker, broker, server, rng, messages,
+                                                                  kills)
+        await _settle(db, broker, settle_seconds)
         ended_before = worker.process is not None and worker.process.poll() is not None
         exit_code = worker.stop()
         if exit_code != 0:  # the log is gone with the run's temporary directory: say its end here
@@ -273,15 +224,15 @@ async def run(path: str, messages: int, kills: int, *, settle_seconds: float = 9
         rows, distinct = await db.fetchrow("SELECT count(*), count(DISTINCT message_id) FROM chaos_effects")
         parked = await db.fetchval("SELECT count(*) FROM dead_letters")
         await db.close()
-        ready, unacked = _queue_counts(queue)
-        downstream = len(await _downstream_ids(queue) & set(ids)) if path == "outbox" else None
+        ready, unacked = await broker.counts()
+        downstream = len(await broker.downstream_ids() & set(ids)) if path == "outbox" else None
         return Report(path, messages, len(everything), kills, messages - distinct, rows - distinct, ready,
                       unacked, parked, downstream, time.monotonic() - started, crash, done_at_fault,
-                      done_at_cut, recovered)
+                      done_at_cut, recovered, broker.name, broker.fault_name)
     finally:
         if worker is not None and worker.process is not None and worker.process.poll() is None:
             worker.kill()  # the run failed on the way: leave no worker behind
-        await _delete_queues(queue)
+        await broker.remove()
         if server is not None:
             admin.terminate()
             await asyncio.to_thread(server.remove)
@@ -290,18 +241,34 @@ async def run(path: str, messages: int, kills: int, *, settle_seconds: float = 9
             await admin.close()
 
 
+async def _settle(db: asyncpg.Connection, broker: Transport, settle_seconds: float) -> None:
+    """Wait until nothing is left on the broker, held unsettled or waiting in the outbox (or the time is up)."""
+    deadline = time.monotonic() + settle_seconds
+    while True:
+        ready, unacked = await broker.counts()
+        pending = await db.fetchval("SELECT count(*) FROM outbox WHERE published_at IS NULL")
+        if ready == unacked == pending == 0 or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(1)
+    await asyncio.sleep(1)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--transport", choices=("rabbitmq", "nats", "redis"), default="rabbitmq")
     parser.add_argument("--messages", type=int, default=10_000)
     parser.add_argument("--kills", type=int, default=6)
     parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--paths", default="default,single,batch,outbox")
+    parser.add_argument("--paths", default=None,
+                        help="comma-separated; default: every path of the transport (rabbitmq: default,single,"
+                             "batch,outbox; nats and redis: default,single)")
     parser.add_argument("--crash", action="store_true", help="crash the database server instead of cutting it")
     args = parser.parse_args()
+    paths = args.paths.split(",") if args.paths else list(transport_class(args.transport).paths)
     clean = True
     for number in range(1, args.runs + 1):
-        for path in args.paths.split(","):
-            report = asyncio.run(run(path, args.messages, args.kills, crash=args.crash))
+        for path in paths:
+            report = asyncio.run(run(path, args.messages, args.kills, crash=args.crash, transport_name=args.transport))
             print(f"run {number}: {report.line()}", flush=True)
             clean &= report.clean
     return 0 if clean else 1

@@ -1,0 +1,88 @@
+"""The chaos run's RabbitMQ side: the shared broker on 127.0.0.1:5672, a queue ``ck-chaos-<token>`` (and
+its ``.out`` queue for the outbox path); the fault has the broker close the worker's connection."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+
+import aio_pika
+
+from tests.chaos.transport import Transport
+from tests.integration.rabbit import close_connections_named
+
+AMQP_URL = "amqp://guest:guest@127.0.0.1:5672/"
+
+
+def _queue_counts(prefix: str) -> tuple[int, int]:
+    """(ready, unacked) over ``prefix`` and every ``prefix.*`` queue (retry queues, the DLQ)."""
+    out = subprocess.run(["rabbitmqctl", "list_queues", "name", "messages_ready", "messages_unacknowledged",
+                          "-q", "--no-table-headers"], capture_output=True, text=True, timeout=60, check=True).stdout
+    ready = unacked = 0
+    for line in out.splitlines():
+        parts = line.split()
+        if len(parts) == 3 and (parts[0] == prefix or parts[0].startswith(prefix + ".")) \
+                and not parts[0].endswith(".out"):
+            ready += int(parts[1])
+            unacked += int(parts[2])
+    return ready, unacked
+
+
+class RabbitTransport(Transport):
+    name = "rabbitmq"
+    fault_name = "broker cut"
+    paths = ("default", "single", "batch", "outbox")
+
+    def __init__(self, token: str) -> None:
+        super().__init__(token)
+        self.queue = f"ck-chaos-{token}"
+
+    def env(self) -> dict[str, str]:
+        return {"CHAOS_TRANSPORT": self.name, "RABBITMQ_URL": AMQP_URL, "CHAOS_QUEUE": self.queue}
+
+    async def publish(self, messages: list[str]) -> None:
+        connection = await aio_pika.connect(AMQP_URL)
+        async with connection:
+            channel = await connection.channel(publisher_confirms=True)
+            await channel.declare_queue(self.queue, durable=True)
+            await channel.declare_queue(f"{self.queue}.out", durable=True)
+            for start in range(0, len(messages), 500):
+                await asyncio.gather(*(channel.default_exchange.publish(
+                    aio_pika.Message(message_id.encode(), message_id=message_id,
+                                     delivery_mode=aio_pika.DeliveryMode.PERSISTENT), routing_key=self.queue)
+                    for message_id in messages[start:start + 500]))
+
+    async def counts(self) -> tuple[int, int]:
+        return await asyncio.to_thread(_queue_counts, self.queue)
+
+    async def fault(self) -> None:
+        """Have the broker close the worker's connection (rabbitmqctl takes a second or two)."""
+        name = f"{self.queue}-worker"
+        closed = await asyncio.to_thread(close_connections_named, name)
+        assert closed > 0, f"no broker connection named {name} to close"
+
+    async def downstream_ids(self) -> set[str]:
+        ids: set[str] = set()
+        connection = await aio_pika.connect(AMQP_URL)
+        async with connection:
+            channel = await connection.channel()
+            declared = await channel.declare_queue(f"{self.queue}.out", durable=True)
+            while (message := await declared.get(fail=False, timeout=5)) is not None:
+                await message.ack()
+                ids.add(message.body.decode())
+        return ids
+
+    async def remove(self) -> None:
+        command = ["rabbitmqctl", "list_queues", "name", "-q", "--no-table-headers"]
+        listing = await asyncio.to_thread(subprocess.run, command, capture_output=True, text=True, timeout=60,
+                                          check=True)
+        names = [n.strip() for n in listing.stdout.splitlines()
+                 if n.strip() == self.queue or n.strip().startswith(self.queue + ".")]
+        connection = await aio_pika.connect(AMQP_URL)
+        async with connection:
+            for name in names:
+                channel = await connection.channel()
+                try:
+                    await channel.queue_delete(name)
+                except Exception:
+                    pass
