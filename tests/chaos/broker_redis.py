@@ -1,6 +1,7 @@
-"""The chaos run's Redis Streams side: a ``redis-server`` of the run's own (AOF, ``appendfsync always``,
-its files on disk), a stream ``ck-chaos:<token>`` read by the group ``chaos``; the fault kills the
-server with SIGKILL and starts it again on the same files while the worker consumes.
+"""The chaos run's Redis Streams side: a ``redis-server`` of the run's own
+(:class:`tests.integration.redis_env.RedisServer`: AOF, ``appendfsync always``, its files on disk), a
+stream ``ck-chaos:<token>`` read by the group ``chaos``; the fault kills the server with SIGKILL and
+starts it again on the same files while the worker consumes.
 
 Every entry carries the business id twice, as its body and as the field ``chaos-id`` the worker keys by
 (``key="chaos-id"``): a duplicate is the same id XADDed again, a new entry id the consumer must not run
@@ -14,8 +15,8 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from tests.chaos.redis_server import RedisServer
 from tests.chaos.transport import Transport
+from tests.integration.redis_env import RedisServer
 
 GROUP = "chaos"
 DOWN_SECONDS = 1.0  # how long the killed server stays down before it starts again
@@ -36,7 +37,7 @@ class RedisTransport(Transport):
         self.server = RedisServer()
 
     async def start(self) -> None:
-        await asyncio.to_thread(self.server.start)
+        await self.server.start()
 
     def env(self) -> dict[str, str]:
         return {"CHAOS_TRANSPORT": self.name, "REDIS_URL": self.server.url, "CHAOS_QUEUE": self.stream,
@@ -72,9 +73,9 @@ class RedisTransport(Transport):
 
     async def fault(self) -> None:
         """SIGKILL the server, leave it down a moment (the worker meets a refused connection), start it again."""
-        await asyncio.to_thread(self.server.kill)
+        await self.server.kill()
         await asyncio.sleep(DOWN_SECONDS)
-        await asyncio.to_thread(self.server.start)
+        await self.server.start()
 
     async def remove(self) -> None:
-        await asyncio.to_thread(self.server.stop)
+        await self.server.stop()
