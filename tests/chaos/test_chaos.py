@@ -1,4 +1,5 @@
-"""The chaos run at a size that keeps the suite short (the full size: ``python -m tests.chaos.run``)."""
+"""The chaos run at a size that keeps the suite short (the full size: ``python -m tests.chaos.run
+[--transport nats|redis]``)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 
 from tests.chaos.run import run
 
-pytestmark = [pytest.mark.rabbitmq, pytest.mark.postgres]
+pytestmark = [pytest.mark.postgres]
 
 
 # Enough messages that every fault lands while work remains: the batch path consumes several times
@@ -16,6 +17,7 @@ pytestmark = [pytest.mark.rabbitmq, pytest.mark.postgres]
 MESSAGES = {"batch": 24_000}
 
 
+@pytest.mark.rabbitmq
 @pytest.mark.parametrize("path", ["default", "single", "batch", "outbox"])
 async def test_kills_and_cuts_lose_and_double_nothing(path: str, tmp_path: Path) -> None:
     report = await run(path, messages=MESSAGES.get(path, 6000), kills=3, settle_seconds=240, log_dir=tmp_path)
@@ -28,6 +30,7 @@ async def test_kills_and_cuts_lose_and_double_nothing(path: str, tmp_path: Path)
         assert report.downstream_distinct == report.messages, report.line()
 
 
+@pytest.mark.rabbitmq
 @pytest.mark.parametrize("path", ["default", "single"])
 async def test_a_database_server_crash_loses_and_doubles_nothing(path: str, tmp_path: Path) -> None:
     """The database server itself crashes (on a server of the run's own) while the worker consumes: a
@@ -35,6 +38,22 @@ async def test_a_database_server_crash_loses_and_doubles_nothing(path: str, tmp_
     report = await run(path, messages=6000, kills=3, settle_seconds=240, log_dir=tmp_path, crash=True)
     print(report.line())
     assert report.recovered, "the server did not go through crash recovery"
+    # the faults hit work under way
+    assert report.done_at_cut < report.messages and report.done_at_fault < report.messages, report.line()
+    assert (report.lost, report.doubled) == (0, 0), report.line()
+    assert (report.left_in_queue, report.unacked, report.parked) == (0, 0, 0), report.line()
+
+
+# NATS and Redis: the default path only, at a size that keeps each well under a minute; the broker
+# fault is their own server killed with SIGKILL and started again while the worker consumes.
+@pytest.mark.parametrize("transport_name", [
+    pytest.param("nats", marks=pytest.mark.nats), pytest.param("redis", marks=pytest.mark.redis)])
+async def test_kills_a_server_restart_and_a_database_cut_lose_and_double_nothing(
+        transport_name: str, tmp_path: Path) -> None:
+    report = await run("default", messages=2000, kills=3, settle_seconds=120, log_dir=tmp_path,
+                       transport_name=transport_name)
+    print(report.line())
+    assert report.broker_fault == "server restart", report.line()
     # the faults hit work under way
     assert report.done_at_cut < report.messages and report.done_at_fault < report.messages, report.line()
     assert (report.lost, report.doubled) == (0, 0), report.line()
