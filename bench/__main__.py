@@ -14,6 +14,8 @@ BENCHMARKS = {
     "rabbitmq": "bench.rabbitmq",
     "batch": "bench.batch",
     "sqs": "bench.sqs",
+    "nats": "bench.nats",
+    "redis": "bench.redis",
     "otel": "bench.otel",
     "cli": "bench.cli",
 }

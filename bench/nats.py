@@ -347,6 +347,9 @@ async def main() -> bool:
                                            expect=Outcome.DUPLICATE if label == "duplicates" else Outcome.PROCESSED)
                     if label == "two-txn":
                         last_two.append(stream)
+                info = await js.consumer_info(stream.name, stream.durable)
+                assert (info.num_pending, info.num_ack_pending) == (0, 0), \
+                    f"{label}: {info.num_pending} not delivered, {info.num_ack_pending} not acknowledged"
 
             results = await rounds(dsn, GROUPS, run, count)
     finally:
