@@ -200,6 +200,24 @@ class RedisStreamSource(PullingSource[Entry]):
         then the retries that are due, then entries idle in other consumers' lists (every half
         ``claim_idle_seconds``), then new ones, waiting up to a second for them."""
         assert self._client is not None
+        try:
+            entries = await self._pulled(count)
+        except redis.exceptions.ResponseError as exc:
+            if not (self.declare and str(exc).startswith("NOGROUP")):
+                raise
+            # The stream or the group went away under us (deleted, or a server restarted without
+            # persistence): declared again, from the stream's first entry, and read on.
+            log.warning("%s: group %s of %s is gone (NOGROUP); creating it again", self.name, self.group,
+                        self.stream)
+            await self._prepare()
+            raise
+        now = time.monotonic()
+        for entry in entries:
+            entry.refreshed = now
+            self._holding.add(entry.id)
+        return entries
+
+    async def _pulled(self, count: int) -> list[Entry]:
         with self._watched():
             entries: list[Entry] = []
             if self._own_cursor is not None:
@@ -212,10 +230,6 @@ class RedisStreamSource(PullingSource[Entry]):
                 await self._count_deliveries(entries)
             else:
                 entries = await self._new(count)
-        now = time.monotonic()
-        for entry in entries:
-            entry.refreshed = now
-            self._holding.add(entry.id)
         return entries
 
     async def _own_pending(self, count: int) -> list[Entry]:

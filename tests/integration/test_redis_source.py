@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis.asyncio
 from prometheus_client import REGISTRY
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import create_async_engine
@@ -325,7 +326,7 @@ async def test_a_wrong_password_is_one_line_without_the_password(sqlite_url: str
     server = RedisServer()
     await server.start()
     try:
-        async with __import__("redis").asyncio.Redis.from_url(server.url) as admin:
+        async with redis.asyncio.Redis.from_url(server.url) as admin:
             await admin.config_set("requirepass", "right-one")
         app, _ = worker(sqlite_url, "ck-auth", _never, url=f"redis://:wrong-one@127.0.0.1:{server.port}/0")
         with pytest.raises(ConfigurationError) as caught:
@@ -435,3 +436,55 @@ async def test_declare_false_refuses_a_missing_group_in_one_line(sqlite_url: str
         with pytest.raises(ConfigurationError, match=f"has no consumer group '{GROUP}'"):
             async with app.running():
                 pass
+
+
+async def test_an_entry_given_back_at_stop_is_taken_by_another_replica_at_once(sqlite_url: str) -> None:
+    async with unique_stream() as stream:
+        runs: list[str] = []
+
+        async def handle(ctx: Context) -> None:
+            runs.append(ctx.delivery.headers.get("replica", ""))
+            if len(runs) == 1:
+                await asyncio.Event().wait()  # never returns: cancelled when the stop's grace runs out
+            await effect(ctx, ctx.delivery.text())
+
+        first, _ = worker(sqlite_url, stream, handle, consumer="replica-a", claim_idle_seconds=60,
+                          settings={"shutdown_grace_seconds": 0.2})
+        await prepare(sqlite_url)
+        async with first.running():
+            await add(stream, {"body": "order-1"})
+            await wait_until(lambda: _true(len(runs) == 1), 20, "replica a to start the entry")
+        [given] = await pending(stream)
+        assert given["consumer"] == "replica-a" and given["idle"] >= 60_000, given
+        second, source = worker(sqlite_url, stream, handle, consumer="replica-b", claim_idle_seconds=60)
+        started = time.monotonic()
+        async with second.running():
+            async def done() -> bool:
+                return await effects(sqlite_url) == {"order-1": 1} and await settled(stream)
+
+            await wait_until(done, 20, "replica b to take the given-back entry")
+        assert time.monotonic() - started < 10, "taken only after claim_idle_seconds"
+        assert counted("consumer_kit_redis_claimed_total", source) == 1
+        assert await pending_count(stream) == 0
+
+
+async def test_a_group_deleted_under_the_source_is_declared_again(sqlite_url: str) -> None:
+    async with unique_stream() as stream:
+        async def handle(ctx: Context) -> None:
+            await effect(ctx, ctx.delivery.text())
+
+        app, _ = worker(sqlite_url, stream, handle)
+        await prepare(sqlite_url)
+        async with app.running():
+            await add(stream, {"body": "before"})
+            await wait_until(lambda: settled(stream), 20, "the first entry")
+            async with redis.asyncio.Redis.from_url(REDIS_URL) as admin:
+                await admin.delete(stream)  # the stream and its group, as a server without persistence restarts
+            await asyncio.sleep(1.5)
+            await add(stream, {"body": "after"})
+
+            async def done() -> bool:
+                return await effects(sqlite_url) == {"before": 1, "after": 1} and await settled(stream)
+
+            await wait_until(done, 30, "the group to be declared again and the new entry read")
+        assert await pending_count(stream) == 0
