@@ -57,7 +57,7 @@ from consumer_kit import ConsumerApp, Context, Outcome, Settings
 from consumer_kit.sources.pulling import PullingSource
 
 NATS_URL = os.environ.get("CK_BENCH_NATS_URL", "nats://127.0.0.1:4222")
-MESSAGES = int(os.environ.get("CK_BENCH_NATS_MESSAGES", "20000"))
+MESSAGES = int(os.environ.get("CK_BENCH_NATS_MESSAGES", "10000"))
 IN_FLIGHT = int(os.environ.get("CK_BENCH_NATS_IN_FLIGHT", "32"))
 ROUNDS = int(os.environ.get("CK_BENCH_ROUNDS", "3"))
 DB_CONNECTIONS = 20  # the peer's pool; consumer-kit's store gets one fewer (SQLAlchemy keeps one)

@@ -54,7 +54,7 @@ from bench.nats import (
 from consumer_kit import Outcome
 
 REDIS_URL = os.environ.get("CK_BENCH_REDIS_URL", "redis://127.0.0.1:6379/0")
-MESSAGES = int(os.environ.get("CK_BENCH_REDIS_MESSAGES", "20000"))
+MESSAGES = int(os.environ.get("CK_BENCH_REDIS_MESSAGES", "10000"))
 IN_FLIGHT = int(os.environ.get("CK_BENCH_REDIS_IN_FLIGHT", "32"))
 ID_FIELD = "message-id"
 
