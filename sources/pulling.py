@@ -51,6 +51,13 @@ SETTLE_TIMEOUT_SECONDS = 10.0  # how long close() waits for deliveries and settl
 _BACKOFF_MAX_SECONDS = 30.0
 
 
+def retry_delay(retry_delays: Sequence[float], attempt: int, wanted: float | None) -> float:
+    """How long a retry waits: the larger of the pipeline's ``wanted`` delay and this attempt's step of
+    ``retry_delays`` (the last step for every attempt past them)."""
+    step = retry_delays[min(max(attempt, 1), len(retry_delays)) - 1]
+    return max(step, wanted or 0.0)
+
+
 @dataclass(eq=False, slots=True)
 class Held(Generic[M]):
     """A message the source pulled and has not settled yet."""
