@@ -22,6 +22,7 @@ from nats.js.api import StreamConfig
 from nats.js.errors import NotFoundError
 
 NATS_URL = "nats://127.0.0.1:4222"
+DUPLICATE_WINDOW = 0.1  # seconds: JetStream drops a repeated Nats-Msg-Id inside it
 
 
 def free_port() -> int:
@@ -53,12 +54,16 @@ async def connected(url: str = NATS_URL) -> AsyncIterator[nats.aio.client.Client
 
 
 @contextlib.asynccontextmanager
-async def own_stream(url: str = NATS_URL, *, prefix: str = "ck-test") -> AsyncIterator[Stream]:
-    """A new stream (file storage) for one test, deleted after it with its dead-letter stream."""
+async def own_stream(url: str = NATS_URL, *, prefix: str = "ck-test",
+                     duplicate_window: float | None = DUPLICATE_WINDOW) -> AsyncIterator[Stream]:
+    """A new stream (file storage) for one test, deleted after it with its dead-letter stream. Its
+    ``duplicate_window`` is short (``None``: JetStream's two minutes), so that the same ``Nats-Msg-Id``
+    published again after it reaches the consumer, as a redelivery from outside the window would."""
     token = secrets.token_hex(4)
     stream = Stream(name=f"{prefix.upper().replace('-', '_')}_{token}", subject=f"{prefix}.{token}.>", url=url)
     async with connected(url) as client:
-        await client.jetstream().add_stream(StreamConfig(name=stream.name, subjects=[stream.subject]))
+        await client.jetstream().add_stream(StreamConfig(name=stream.name, subjects=[stream.subject],
+                                                         duplicate_window=duplicate_window))
     try:
         yield stream
     finally:
