@@ -24,11 +24,13 @@ EXPECTED: dict[str, dict[str, int]] = {
     "docs/operating/troubleshooting.md": dict(found=10, run=4, written=2, checked=0, outputs=4, shown=0, not_run=0),
     "docs/reference.md": dict(found=4, run=1, written=0, checked=0, outputs=1, shown=2, not_run=0),
     "docs/sources/cloudevents.md": dict(found=9, run=5, written=1, checked=0, outputs=3, shown=0, not_run=0),
+    "docs/sources/nats.md": dict(found=12, run=6, written=4, checked=0, outputs=2, shown=0, not_run=0),
     "docs/sources/rabbitmq.md": dict(found=12, run=7, written=3, checked=0, outputs=2, shown=0, not_run=0),
+    "docs/sources/redis.md": dict(found=11, run=6, written=3, checked=0, outputs=2, shown=0, not_run=0),
     "docs/sources/schedules.md": dict(found=14, run=7, written=1, checked=0, outputs=6, shown=0, not_run=0),
     "docs/sources/sqs.md": dict(found=14, run=9, written=2, checked=0, outputs=3, shown=0, not_run=0),
     "docs/sources/webhooks.md": dict(found=15, run=8, written=3, checked=0, outputs=4, shown=0, not_run=0),
     "docs/testing.md": dict(found=9, run=3, written=3, checked=0, outputs=3, shown=0, not_run=0),
 }
 
-TOTAL = dict(found=218, run=105, written=28, checked=1, outputs=75, shown=3, not_run=6)
+TOTAL = dict(found=241, run=117, written=35, checked=1, outputs=79, shown=3, not_run=6)

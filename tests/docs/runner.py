@@ -93,6 +93,11 @@ class PageRun:
         self.checkout = workdir / "checkout"  # made by the first block annotated docs: checkout
         self.ports = {port: free_port() for port in PORTS}
         text = (root / page).read_text(encoding="utf-8")
+        # A page that names the local NATS or Redis server gets a server of its own in its place (a
+        # stream, a consumer group or a durable consumer of one page then never meets another's).
+        self.servers = [OwnServer(kind, documented) for kind, documented in OWN_SERVERS.items()
+                        if re.search(rf"127\.0\.0\.1:{documented}(?!\d)", text)]
+        self.ports.update({server.documented: server.port for server in self.servers})
         uses_database = re.search(rf"/{DATABASE}(?!\w)", text) is not None
         self.database = f"{DATABASE}_{uuid.uuid4().hex[:12]}" if uses_database else None
         self.vhost = f"{DATABASE}_{uuid.uuid4().hex[:12]}" if names_default_vhost(text) else None
@@ -106,12 +111,16 @@ class PageRun:
         if self.database:
             _psql(f'CREATE DATABASE "{self.database}"')
         try:
+            for server in self.servers:
+                server.start(self.private)
             if self.vhost:
                 rabbitmq_vhost(self.vhost, create=True)
             for block in self.blocks:
                 self._one(block)
         finally:
             self._stop_background()  # first: a worker still connected holds the vhost's queues
+            for server in self.servers:
+                server.stop()
             try:
                 if self.vhost:
                     rabbitmq_vhost(self.vhost, create=False)
@@ -230,6 +239,44 @@ class PageRun:
     def _stop_background(self) -> None:
         for group in self.groups:
             _kill_group(group)
+
+
+OWN_SERVERS = {"nats": 4222, "redis": 6379}
+
+
+class OwnServer:
+    """A ``nats-server -js`` or a ``redis-server`` of one page's own, on a free port, its data in the
+    runner's directory of the page (gone with it)."""
+
+    def __init__(self, kind: str, documented: int) -> None:
+        self.kind, self.documented, self.port = kind, documented, free_port()
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self, directory: Path) -> None:
+        data = directory / self.kind
+        data.mkdir()
+        command = (["nats-server", "-js", "-a", "127.0.0.1", "-p", str(self.port), "-sd", str(data)]
+                   if self.kind == "nats" else
+                   ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(data), "--save", "",
+                    "--appendonly", "yes", "--appendfsync", "always"])
+        self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{command[0]} exited ({self.process.returncode}) before it listened")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5):
+                    time.sleep(0.2)  # listening; JetStream and the AOF are ready a moment later
+                    return
+            except OSError:
+                time.sleep(0.05)
+        raise RuntimeError(f"{command[0]} did not listen on {self.port}")
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.kill()
+            self.process.wait(timeout=20)
+            self.process = None
 
 
 def _kill_group(group: int) -> None:
