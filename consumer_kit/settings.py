@@ -258,7 +258,8 @@ class Settings(BaseSettings):
 
     def require_rabbitmq_url(self, explicit: str | None = None) -> str:
         """``explicit`` when given, else ``RABBITMQ_URL``; a clear error when neither is set."""
-        return _required(explicit, self.rabbitmq_url, "RABBITMQ_URL", "amqp://user:password@host:5672/vhost", "RabbitMQ")
+        return _required(explicit, self.rabbitmq_url, "RABBITMQ_URL", "amqp://user:password@host:5672/vhost",
+                         "RabbitMQ")
 
     def require_nats_url(self, explicit: str | None = None) -> str:
         """``explicit`` when given, else ``NATS_URL``; a clear error when neither is set."""
