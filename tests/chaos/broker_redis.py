@@ -65,7 +65,7 @@ class RedisTransport(Transport):
             if GROUP not in groups:  # the worker has not created it yet: everything is left
                 return int(await client.xlen(self.stream)) + dead, 0
             last = _text(groups[GROUP]["last-delivered-id"])
-            unread = len(await client.xrange(self.stream, min=f"({last}", max="+"))
+            unread = len(await client.xrange(self.stream, min=f"({last}", max="+") or [])
             pending = int((await client.xpending(self.stream, GROUP))["pending"])
         finally:
             await client.aclose()
