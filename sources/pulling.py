@@ -53,8 +53,8 @@ _BACKOFF_MAX_SECONDS = 30.0
 
 def retry_delay(retry_delays: Sequence[float], attempt: int, wanted: float | None) -> float:
     """How long a retry waits: the larger of the pipeline's ``wanted`` delay and this attempt's step of
-    ``retry_delays`` (the last step for every attempt past them)."""
-    step = retry_delays[min(max(attempt, 1), len(retry_delays)) - 1]
+    ``retry_delays`` (the last step for every attempt past them; none: the pipeline's delay)."""
+    step = retry_delays[min(max(attempt, 1), len(retry_delays)) - 1] if retry_delays else 0.0
     return max(step, wanted or 0.0)
 
 

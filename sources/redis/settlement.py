@@ -49,13 +49,6 @@ return -1
 _CHUNK = 500  # ids a script call: Lua's unpack() has a limit of a few thousand values
 
 
-def retry_delay(attempt: int, wanted: float | None, delays: Sequence[float]) -> float:
-    """How long a RETRY_LATER entry waits: the larger of the pipeline's delay and this attempt's step
-    of ``delays`` (the last step for every attempt past it; none: the pipeline's delay)."""
-    step = delays[min(attempt, len(delays)) - 1] if delays else 0.0
-    return max(step, wanted or 0.0)
-
-
 def _text(value: object) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 

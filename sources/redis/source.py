@@ -23,10 +23,10 @@ from consumer_kit.errors import ConfigurationError
 from consumer_kit.replay import Send
 from consumer_kit.settings import Settings
 from consumer_kit.sources.envelopes import KeyFunction, header_cloudevent, require_cloudevents
-from consumer_kit.sources.pulling import PullingSource
+from consumer_kit.sources.pulling import PullingSource, retry_delay
 from consumer_kit.sources.redis.connection import LOST, client, unreachable
 from consumer_kit.sources.redis.message import Entry, Fields, dead_letter_copy, entry_order, replay_copy, to_delivery
-from consumer_kit.sources.redis.settlement import Claims, retry_delay
+from consumer_kit.sources.redis.settlement import Claims
 from consumer_kit.tracing import SpanShape
 
 log = logging.getLogger("consumer_kit.sources.redis")
@@ -338,7 +338,7 @@ class RedisStreamSource(PullingSource[Entry]):
                 elif result.settlement is Settlement.DEAD_LETTER:
                     await self._dead_letter(message, result)
                 else:
-                    delay = retry_delay(message.attempt, result.delay, self.retry_delays)
+                    delay = retry_delay(self.retry_delays, message.attempt, result.delay)
                     now = time.monotonic()
                     # Left pending in this consumer's list; _tend keeps it ours, _pull takes it back when due.
                     self._waiting[message.id] = _Waiting(now + delay, message.refreshed)

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from consumer_kit.delivery import Delivery, Result, Settlement
+from consumer_kit.sources.pulling import retry_delay
 from consumer_kit.sources.sqs.client import log
 from consumer_kit.sources.sqs.held import MAX_ATTRIBUTES, HeldMessage
 
@@ -47,8 +48,7 @@ class SettlementPolicy:
 
     def retry_delay(self, attempt: int, wanted: float) -> float:
         """The visibility delay of a retry: at least the pipeline's and at least this attempt's step."""
-        step = self.retry_delays[min(attempt, len(self.retry_delays)) - 1]
-        return max(step, wanted)
+        return retry_delay(self.retry_delays, attempt, wanted)
 
     def action(self, deliveries: Sequence[Delivery], results: Sequence[Result]) -> Action:
         """The one action on a message whose ``deliveries`` the pipeline decided as ``results``."""

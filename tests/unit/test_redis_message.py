@@ -11,10 +11,10 @@ import redis.exceptions
 
 from consumer_kit.delivery import RefusedReplay, Replayed
 from consumer_kit.replay import REPLAY_HEADER, seal
+from consumer_kit.sources.pulling import retry_delay
 from consumer_kit.sources.redis import ENTRY_ID_FIELD, KEY_DIGEST_FIELD, REASON_FIELD, SOURCE_STREAM_FIELD, Entry
 from consumer_kit.sources.redis.connection import client_name, safe_url, unreachable
 from consumer_kit.sources.redis.message import dead_letter_copy, entry_order, replay_copy, sent_at, to_delivery
-from consumer_kit.sources.redis.settlement import retry_delay
 from tests.conftest import make_settings
 
 
@@ -64,7 +64,7 @@ def test_a_replay_copy_reads_back_as_the_parked_delivery_and_a_forged_one_is_ref
     (1, 3.0, (1.0, 5.0), 3.0), (1, 0.1, (), 0.1), (1, None, (), 0.0)])
 def test_the_retry_delay_is_the_larger_of_the_pipelines_and_the_attempts_step(
         attempt: int, wanted: float | None, delays: tuple[float, ...], expected: float) -> None:
-    assert retry_delay(attempt, wanted, delays) == expected
+    assert retry_delay(delays, attempt, wanted) == expected
 
 
 def test_the_connection_text_never_shows_the_password() -> None:
