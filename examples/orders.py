@@ -1,10 +1,12 @@
-"""What the RabbitMQ and SQS example workers share: the table an order is recorded in, the recording
-itself (inside the handler's transaction), and the ``python -m examples.<worker> init`` command that
-creates the table. Each worker names its own table, source, publisher and events queue."""
+"""What the RabbitMQ, SQS, NATS and Redis example workers share: the table an order is recorded in, the
+recording itself (inside the handler's transaction) and its announcement through the outbox, and the
+``python -m examples.<worker> init`` command that creates the table. Each worker names its own table,
+source, publisher and where its events go."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -33,6 +35,13 @@ async def record(ctx: Context, orders: Table) -> dict[str, Any]:
     await ctx.db.execute(orders.insert().values(
         order_ref=order["order"], amount=int(order["amount"]), key_digest=ctx.key_digest))
     return {"type": "order.recorded", "order": order["order"], "amount": order["amount"]}
+
+
+async def record_and_announce(ctx: Context, orders: Table, destination: str) -> None:
+    """:func:`record` the order and stage its ``order.recorded`` event for ``destination`` (a queue,
+    subject or stream) in the same transaction: both commit with the inbox row or not at all."""
+    event = await record(ctx, orders)
+    ctx.outbox.publish(destination, json.dumps(event).encode(), headers={"content-type": "application/json"})
 
 
 def main(module: str, init: Callable[[], Awaitable[None]]) -> None:
