@@ -10,7 +10,6 @@ import re
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from dataclasses import replace
 
-import nats.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
@@ -170,8 +169,11 @@ class NatsSource(PullingSource[Msg]):
         assert self._subscription is not None
         try:
             return await self._subscription.fetch(count, timeout=PULL_WAIT_SECONDS)
-        except nats.errors.TimeoutError:
-            return []  # nothing to do (or the connection is being re-established: unready_reason says so)
+        except TimeoutError:
+            # Nothing to do (or the connection is being re-established: unready_reason says so). Not
+            # only nats.errors.TimeoutError: when the no-wait probe's answer takes up the whole wait,
+            # nats-py's fetch raises asyncio's own TimeoutError, which an idle consumer meets often.
+            return []
 
     def _read(self, message: Msg) -> Delivery:
         delivery = to_delivery(message, self.stable_id, self._replays)
