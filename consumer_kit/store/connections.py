@@ -97,11 +97,14 @@ class Database:
         # One opening for all the first callers at once (each would open a pool, and a connection).
         if self._opening is None:
             self._opening = asyncio.ensure_future(self._create_pool())
+        opening = self._opening
         try:
-            return await asyncio.shield(self._opening)
+            return await asyncio.shield(opening)
         except BaseException:
-            if self._opening.done() and (self._opening.cancelled() or self._opening.exception() is not None):
-                self._opening = None  # failed: the next caller tries again
+            # Every caller waiting on a failed opening gets its error; the first to see it clears it
+            # (a later caller's opening is not this one's to clear), and the next caller tries again.
+            if self._opening is opening and opening.done() and (opening.cancelled() or opening.exception() is not None):
+                self._opening = None
             raise
 
     async def _create_pool(self) -> asyncpg.Pool:

@@ -21,6 +21,7 @@ import contextlib
 import logging
 import random
 import secrets
+import socket
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
@@ -302,3 +303,18 @@ async def test_a_statement_between_the_notice_and_the_end(pg_database: str) -> N
     finally:
         await database.close()
         await engine.dispose()
+
+
+async def test_every_caller_waiting_on_a_failed_pool_opening_gets_its_error() -> None:
+    """Five deliveries ask a worker's store for its pool while the database is down: each gets the
+    database's error (not an AttributeError of the first one's clean-up), and the next asks again."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]  # nothing listens there once the probe is closed
+    database = Database(create_engine(f"postgresql+asyncpg://postgres@127.0.0.1:{port}/nowhere"))
+    try:
+        for _ in range(2):
+            errors = await asyncio.gather(*(database.pool() for _ in range(5)), return_exceptions=True)
+            assert [type(error).__name__ for error in errors] == ["ConnectionRefusedError"] * 5, errors
+    finally:
+        await database.close()
