@@ -77,10 +77,10 @@ async def announcements(events: Stream) -> dict[str, set[bytes]]:
                 await message.ack()
 
 
-def serve(env: dict[str, str], port: int) -> subprocess.Popen[str]:
-    """``consumer-kit run examples.nats_worker:app --port <port>``, its output piped."""
+def serve(module: str, env: dict[str, str], port: int) -> subprocess.Popen[str]:
+    """``consumer-kit run examples.<module>:app --port <port>``, its output piped (the Redis test's too)."""
     return subprocess.Popen([str(Path(sys.executable).with_name("consumer-kit")), "--log-level", "WARNING", "run",
-                             "examples.nats_worker:app", "--port", str(port)], cwd=ROOT, env=env,
+                             f"examples.{module}:app", "--port", str(port)], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -108,7 +108,7 @@ async def test_sigkill_mid_stream_then_restart_records_each_order_once(
 
     # Started again with --port: ready, and a late copy of an order is a counted duplicate, not a new row.
     port = free_port()
-    served = serve(env, port)
+    served = serve("nats_worker", env, port)
     source = f"nats:{orders.name}/{DURABLE}"
     try:
         await asyncio.to_thread(wait_until_served, served, f"http://127.0.0.1:{port}/readyz")
