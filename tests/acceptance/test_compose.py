@@ -4,7 +4,7 @@ Read as files: every service of our image runs a real ``consumer-kit`` command o
 environment names the project reads (Settings fields, or the example's own variables) and secrets that
 have no default; Prometheus scrapes every ``/metrics`` of the stack; the alert rules and the dashboard
 name only metrics the code registers. Then the same commands run against the local PostgreSQL,
-RabbitMQ and moto server (host names and ports mapped to them), and each service answers its health
+RabbitMQ, NATS, Redis and moto server (host names and ports mapped to them), and each service answers its health
 check; a signed order sent to the webhook receiver gets its session from the served coordinator.
 """
 
@@ -22,19 +22,24 @@ import subprocess
 import sys
 import time
 import tomllib
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+import redis.asyncio
 import yaml
+from nats.js.errors import NotFoundError
 from sqlalchemy.engine import make_url
 
 from consumer_kit.cli import build_parser
 from consumer_kit.settings import Settings
 from consumer_kit.testing.server import free_port
 from tests.conftest import TEST_HMAC_KEY, _admin
+from tests.integration.nats_env import NATS_URL
+from tests.integration.nats_env import connected as nats_connected
+from tests.integration.redis_env import REDIS_URL
 from tests.metric_names import series_names
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -46,7 +51,8 @@ BOTO3_CREDENTIALS = {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"}  # boto3's ch
 INTERPOLATION = re.compile(r"\$\{([A-Z0-9_]+)(:\?[^}]*)?\}")
 # The values compose.env would hold, for the local runs.
 SECRETS = {"POSTGRES_PASSWORD": "unused-locally", "RABBITMQ_PASSWORD": "unused-locally",
-           "IDEMPOTENCY_HMAC_KEY": TEST_HMAC_KEY, "COORDINATOR_TOKEN": secrets.token_urlsafe(16),
+           "REDIS_PASSWORD": "unused-locally", "IDEMPOTENCY_HMAC_KEY": TEST_HMAC_KEY,
+           "COORDINATOR_TOKEN": secrets.token_urlsafe(16),
            "STARTER_WEBHOOK_SECRET": secrets.token_urlsafe(16), "GRAFANA_ADMIN_PASSWORD": "unused-locally"}
 
 # ---------------------------------------------------------------------------------------------------
@@ -54,8 +60,9 @@ SECRETS = {"POSTGRES_PASSWORD": "unused-locally", "RABBITMQ_PASSWORD": "unused-l
 
 
 def test_every_part_is_a_service() -> None:
-    assert set(SERVICES) == {"postgres", "rabbitmq", "sqs", "migrate", "example-setup", "coordinator",
-                             "rabbitmq-worker", "sqs-worker", "webhook-receiver", "scheduler", "prometheus", "grafana"}
+    assert set(SERVICES) == {"postgres", "rabbitmq", "nats", "redis", "sqs", "migrate", "example-setup",
+                             "coordinator", "rabbitmq-worker", "sqs-worker", "nats-worker", "redis-worker",
+                             "webhook-receiver", "scheduler", "prometheus", "grafana"}
     for name, service in SERVICES.items():
         if name not in OURS:  # an upstream image, pinned
             image = service["image"]
@@ -70,7 +77,7 @@ def test_our_services_build_the_dockerfile_with_every_extra() -> None:
     assert "RUN pip install '.[all]'" in dockerfile
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     assert set(re.findall(r"[a-z]+", extras["all"][0].split("[", 1)[1])) >= {
-        "postgres", "http", "rabbitmq", "sqs", "webhooks", "schedules", "coordinator"}
+        "postgres", "http", "rabbitmq", "nats", "redis", "sqs", "webhooks", "schedules", "coordinator"}
     for name in OURS:
         assert SERVICES[name]["build"] == "." and SERVICES[name]["image"] == "consumer-kit:local", name
 
@@ -133,8 +140,28 @@ def test_secrets_have_no_defaults() -> None:
                 assert INTERPOLATION.fullmatch(value), variable
 
 
+def test_the_brokers_keep_what_they_acknowledged_on_volumes() -> None:
+    # NATS: JetStream on, its store on a named volume. Redis: every write fsynced to the append-only
+    # file before the reply (what the Redis source's "nothing lost" needs), the data on a named volume.
+    nats, redis = SERVICES["nats"], SERVICES["redis"]
+    command = nats["command"]
+    assert "-js" in command and command[command.index("-sd") + 1] == "/data"
+    assert "nats-data:/data" in nats["volumes"] and "nats-data" in COMPOSE["volumes"]
+    assert ("8222" in command[command.index("-m") + 1]) and ":8222/healthz" in " ".join(nats["healthcheck"]["test"])
+    command = redis["command"]
+    assert command[0] == "redis-server"
+    options = dict(zip(command[1::2], command[2::2], strict=True))
+    assert options["--appendonly"] == "yes" and options["--appendfsync"] == "always"
+    assert INTERPOLATION.fullmatch(options["--requirepass"]).group(1) == "REDIS_PASSWORD"  # type: ignore[union-attr]
+    assert redis["environment"]["REDISCLI_AUTH"] == options["--requirepass"]  # the health check's login
+    assert "redis-cli ping" in " ".join(redis["healthcheck"]["test"])
+    assert "redis-data:/data" in redis["volumes"] and "redis-data" in COMPOSE["volumes"]
+
+
 def test_the_urls_agree_with_the_services_they_name() -> None:
     postgres, rabbitmq = SERVICES["postgres"]["environment"], SERVICES["rabbitmq"]["environment"]
+    redis_options = SERVICES["redis"]["command"]
+    redis_password = redis_options[redis_options.index("--requirepass") + 1]
     for name in OURS:
         environment = SERVICES[name]["environment"]
         database = make_url(environment["DATABASE_URL"])
@@ -144,6 +171,10 @@ def test_the_urls_agree_with_the_services_they_name() -> None:
         if "RABBITMQ_URL" in environment:
             assert environment["RABBITMQ_URL"] == (f"amqp://{rabbitmq['RABBITMQ_DEFAULT_USER']}:"
                                                    f"{rabbitmq['RABBITMQ_DEFAULT_PASS']}@rabbitmq:5672/")
+        if "NATS_URL" in environment:
+            assert environment["NATS_URL"] == "nats://nats:4222"
+        if "REDIS_URL" in environment:
+            assert environment["REDIS_URL"] == f"redis://:{redis_password}@redis:6379/0"
         if "SQS_ENDPOINT_URL" in environment:
             assert environment["SQS_ENDPOINT_URL"] == "http://sqs:5000"
         if "COORDINATOR_URL" in environment:
@@ -259,6 +290,7 @@ class Local:
 
     def __init__(self, database_url: str, sqs_url: str, queue: str) -> None:
         self.database_url, self.sqs_url, self.queue = database_url, sqs_url, queue
+        self.stream = queue.upper().replace("-", "_")  # a JetStream stream name, and a Redis stream's
         self.ports = {name: free_port() for name in OURS if served(name)}
 
     def env(self, name: str) -> dict[str, str]:
@@ -271,14 +303,34 @@ class Local:
                 value = self.database_url  # checked against the postgres service above
             elif variable == "RABBITMQ_URL":
                 value = "amqp://guest:guest@127.0.0.1:5672/"
+            elif variable == "NATS_URL":
+                value = NATS_URL
+            elif variable == "REDIS_URL":
+                value = REDIS_URL  # the local server asks no password
             environment[variable] = value
-        # Queue and topic names of the run's own, on servers other tests share; a short SQS long poll,
-        # which a stopping SQS worker waits out.
+        # Queue, topic, stream and subject names of the run's own, on servers other tests share; a short
+        # SQS long poll, which a stopping SQS worker waits out.
         environment.update(ORDERS_QUEUE=self.queue, ORDERS_TOPIC=self.queue, LOG_LEVEL="WARNING",
-                           SQS_WAIT_TIME_SECONDS="1")
+                           SQS_WAIT_TIME_SECONDS="1", **self.streams())
         base = {key: value for key, value in os.environ.items()
-                if not re.match(r"(IDEMPOTENCY_|COORDINATOR_|STARTER_|RABBITMQ_|SQS_|DATABASE_URL$)", key)}
+                if not re.match(r"(IDEMPOTENCY_|COORDINATOR_|STARTER_|RABBITMQ_|NATS_|REDIS_|SQS_|DATABASE_URL$)", key)}
         return {**base, **environment}
+
+    def streams(self) -> dict[str, str]:
+        """The NATS and Redis workers' stream and subject names for this run."""
+        return {"ORDERS_STREAM": self.stream, "ORDERS_SUBJECT": f"{self.queue}.>",
+                "EVENTS_STREAM": f"{self.stream}_EVENTS", "EVENTS_SUBJECT": f"{self.queue}-events.recorded"}
+
+    async def cleanup(self) -> None:
+        """Delete the JetStream streams (the orders one the source made, its dead-letter one, the events
+        one an init made) and the Redis streams the run left on the shared servers."""
+        async with nats_connected() as client:
+            js = client.jetstream()
+            for stream in (self.stream, f"{self.stream}_DEAD_LETTER", f"{self.stream}_EVENTS"):
+                with contextlib.suppress(NotFoundError):
+                    await js.delete_stream(stream)
+        async with redis.asyncio.Redis.from_url(REDIS_URL) as client:
+            await client.delete(self.stream, f"{self.stream}:dead-letter", f"{self.stream}_EVENTS")
 
     def command(self, name: str, command: list[str]) -> list[str]:
         local = list(command)
@@ -305,8 +357,12 @@ async def compose_database(pg_url: str) -> AsyncIterator[str]:
 
 
 @pytest.fixture
-def local(compose_database: str, moto_endpoint: str) -> Iterator[Local]:
-    yield Local(compose_database.replace("+asyncpg", ""), moto_endpoint, f"ck-compose-{secrets.token_hex(4)}")
+async def local(compose_database: str, moto_endpoint: str) -> AsyncIterator[Local]:
+    here = Local(compose_database.replace("+asyncpg", ""), moto_endpoint, f"ck-compose-{secrets.token_hex(4)}")
+    try:
+        yield here
+    finally:
+        await here.cleanup()
 
 
 def run_once(local: Local, name: str) -> None:
@@ -330,6 +386,8 @@ def wait_healthy(process: subprocess.Popen[str], url: str, seconds: float = 90) 
 
 @pytest.mark.postgres
 @pytest.mark.rabbitmq
+@pytest.mark.nats
+@pytest.mark.redis
 @pytest.mark.sqs
 def test_the_services_commands_run_against_the_local_services(local: Local) -> None:
     for job in ("migrate", "example-setup"):  # the one-shot jobs, in the order compose runs them
