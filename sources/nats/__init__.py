@@ -18,7 +18,8 @@ DEAD_LETTER   a copy to the dead-letter subject (default ``consumer-kit.dead-let
 
 While a handler runs longer than half the consumer's ``ack_wait``, the source sends ``in_progress``
 for it, so JetStream does not hand it to another consumer; a message pulled as the source stops, or
-whose handler was cancelled by the shutdown, is ``nak``-ed for another consumer at once. The attempt
+whose handler was cancelled by the shutdown, is ``nak``-ed for another consumer a second later (past
+the stopping source's last pull, which would take it back and spend a delivery on nothing). The attempt
 number is JetStream's delivery count (``num_delivered``), which is what ``MAX_DELIVERIES`` counts: the
 consumer's ``max_deliver`` must leave room for it (checked at start).
 

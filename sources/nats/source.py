@@ -199,7 +199,10 @@ class NatsSource(PullingSource[Msg]):
             SETTLEMENTS.labels(self.name, "in_progress").inc()
 
     async def _give_back(self, message: Msg) -> None:
-        await message.nak()  # delivered again at once, to whichever consumer pulls next
+        # Given back as the source stops: its last pull may still wait (PULL_WAIT_SECONDS) and would
+        # take the message straight back, only to give it back again, a delivery spent for nothing.
+        # Held back that long, it goes to whichever consumer pulls next.
+        await message.nak(delay=PULL_WAIT_SECONDS)
 
     async def _shut(self) -> None:
         client, self._client, self._js, self._subscription = self._client, None, None, None

@@ -463,6 +463,42 @@ async def test_a_server_killed_and_started_again_under_the_source(sqlite_url: st
         server.stop()
 
 
+async def test_a_message_whose_handler_is_cancelled_at_stop_is_nakd_for_another_replica_at_once(
+        sqlite_url: str) -> None:
+    async with own_stream() as stream:
+        runs: list[int] = []
+
+        async def handle(ctx: Context) -> None:
+            runs.append(ctx.delivery.attempt)
+            if len(runs) == 1:
+                await asyncio.Event().wait()  # never returns: cancelled when the stop's grace runs out
+            await effect(ctx, ctx.delivery.text())
+
+        first, source = worker(sqlite_url, stream, handle, durable="replicas", ack_wait_seconds=60.0,
+                               settings={"shutdown_grace_seconds": 0.2})
+        given: list[int] = []
+        give_back = source._give_back
+
+        async def counting(message: Any) -> None:
+            given.append(message.metadata.num_delivered)
+            await give_back(message)
+
+        source._give_back = counting  # type: ignore[method-assign]
+        await prepare(sqlite_url)
+        async with first.running():
+            await publish(stream, [("order-1", b"order-1")])
+            await wait_until(lambda: _true(len(runs) == 1), 20, "the first replica to start the message")
+        second, source = worker(sqlite_url, stream, handle, durable="replicas", ack_wait_seconds=60.0)
+        started = time.monotonic()
+        async with second.running():
+            async def done() -> bool:
+                return await effects(sqlite_url) == {"order-1": 1} and await settled(stream, source)
+
+            await wait_until(done, 20, "the second replica to get the message given back")
+        assert time.monotonic() - started < 10, "redelivered only after ack_wait"
+        assert runs == [1, 2] and given == [1], f"given back at deliveries {given}"
+
+
 # ---------------------------------------------------------------------------------------------------
 # the outbox publisher
 
