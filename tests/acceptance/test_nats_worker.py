@@ -8,6 +8,7 @@ and a worker started with ``--port`` is ready and counts a late duplicate in ``/
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import subprocess
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from sqlalchemy import func, select
+from sqlalchemy import Table, func, select
 
 from consumer_kit import ConsumerApp
 from consumer_kit.testing.server import free_port
@@ -78,10 +79,40 @@ async def announcements(events: Stream) -> dict[str, set[bytes]]:
 
 
 def serve(module: str, env: dict[str, str], port: int) -> subprocess.Popen[str]:
-    """``consumer-kit run examples.<module>:app --port <port>``, its output piped (the Redis test's too)."""
+    """``consumer-kit run examples.<module>:app --port <port>``, its output piped."""
     return subprocess.Popen([str(Path(sys.executable).with_name("consumer-kit")), "--log-level", "WARNING", "run",
                              f"examples.{module}:app", "--port", str(port)], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+@contextlib.asynccontextmanager
+async def served(module: str, env: dict[str, str]) -> AsyncIterator[httpx.AsyncClient]:
+    """The example worker started with ``--port``, once ``/readyz`` says it is ready: a client on it.
+    After, SIGTERM: it must exit 0 without a traceback (the Redis test's too)."""
+    port = free_port()
+    process = serve(module, env, port)
+    try:
+        await asyncio.to_thread(wait_until_served, process, f"http://127.0.0.1:{port}/readyz")
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=5) as client:
+            assert (await client.get("/readyz")).json() == {"ready": True}
+            yield client
+    finally:
+        await asyncio.to_thread(stop_cleanly, process)
+
+
+def assert_announced_once(by_id: dict[str, set[bytes]], orders: int) -> None:
+    """Every order announced, under one id each (the outbox row's). A repeat of an id can only be a row
+    the killed relay had published but not recorded as published: the same id with the same body."""
+    assert {json.loads(body)["order"] for bodies in by_id.values() for body in bodies} == {
+        f"O-{i}" for i in range(orders)}
+    assert len(by_id) == orders and all(len(bodies) == 1 for bodies in by_id.values())
+
+
+async def rows(pg_database: str, table: Table) -> int:
+    """How many rows the example's table holds."""
+    observer = ConsumerApp(make_settings(pg_database, db_pool_size=1))
+    async with observer.running(), observer.engine.connect() as conn:
+        return int((await conn.execute(select(func.count()).select_from(table))).scalar_one())
 
 
 async def test_sigkill_mid_stream_then_restart_records_each_order_once(
@@ -99,35 +130,22 @@ async def test_sigkill_mid_stream_then_restart_records_each_order_once(
 
     await kill_and_restart(worker, pg_database, orders=ORDERS, publish=lambda: publish_with_duplicates(orders),
                            depth=held, kill_after=150, finish_seconds=60)
-    by_id = await announcements(events)
-    assert {json.loads(body)["order"] for bodies in by_id.values() for body in bodies} == {
-        f"O-{i}" for i in range(ORDERS)}
-    # A repeat can only be a row the killed relay had published but not recorded: same id, same body.
-    assert len(by_id) == ORDERS and all(len(bodies) == 1 for bodies in by_id.values())
+    assert_announced_once(await announcements(events), ORDERS)
     assert await consumer_state(orders, DURABLE) == (0, 0)
 
     # Started again with --port: ready, and a late copy of an order is a counted duplicate, not a new row.
-    port = free_port()
-    served = serve("nats_worker", env, port)
     source = f"nats:{orders.name}/{DURABLE}"
-    try:
-        await asyncio.to_thread(wait_until_served, served, f"http://127.0.0.1:{port}/readyz")
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=5) as client:
-            assert (await client.get("/readyz")).json() == {"ready": True}
-            await publish(orders, [order(7)])
+    async with served("nats_worker", env) as client:
+        await publish(orders, [order(7)])
 
-            async def counted() -> bool:
-                text = (await client.get("/metrics")).text
-                return sample(text, "consumer_kit_deliveries_total", outcome="duplicate", source=source) == 1.0 \
-                    and sample(text, "consumer_kit_nats_settlements_total", action="ack", source=source) == 1.0
-
-            await wait_until(counted, 15, "/metrics to count the late copy as a duplicate, acknowledged")
+        async def counted() -> bool:
             text = (await client.get("/metrics")).text
-            assert sample(text, "consumer_kit_nats_settlements_total", action="nak", source=source) == 0.0
-            assert sample(text, "consumer_kit_nats_settlements_total", action="term", source=source) == 0.0
-    finally:
-        await asyncio.to_thread(stop_cleanly, served)
+            return sample(text, "consumer_kit_deliveries_total", outcome="duplicate", source=source) == 1.0 \
+                and sample(text, "consumer_kit_nats_settlements_total", action="ack", source=source) == 1.0
+
+        await wait_until(counted, 15, "/metrics to count the late copy as a duplicate, acknowledged")
+        text = (await client.get("/metrics")).text
+        assert sample(text, "consumer_kit_nats_settlements_total", action="nak", source=source) == 0.0
+        assert sample(text, "consumer_kit_nats_settlements_total", action="term", source=source) == 0.0
     assert await consumer_state(orders, DURABLE) == (0, 0)
-    observer = ConsumerApp(make_settings(pg_database, db_pool_size=1))
-    async with observer.running(), observer.engine.connect() as conn:
-        assert (await conn.execute(select(func.count()).select_from(nats_worker.orders))).scalar_one() == ORDERS
+    assert await rows(pg_database, nats_worker.orders) == ORDERS
