@@ -1,5 +1,5 @@
 """``python -m examples init``: every example's ``init`` in one process, as docker-compose.yml's
-``example-setup`` job runs it: the examples' own tables, and the RabbitMQ queue, SQS queues and SNS topic
+``example-setup`` job runs it: the examples' own tables, and the RabbitMQ queue, NATS events stream, SQS queues and SNS topic
 they use (each ``init`` is idempotent). consumer-kit's own tables come from ``consumer-kit db upgrade``.
 """
 
@@ -11,7 +11,8 @@ import sys
 
 from consumer_kit import ConfigurationError
 
-EXAMPLES = ("examples.rabbitmq_worker", "examples.sqs_worker", "examples.starter", "examples.nightly_report")
+EXAMPLES = ("examples.rabbitmq_worker", "examples.sqs_worker", "examples.nats_worker", "examples.redis_worker",
+            "examples.starter", "examples.nightly_report")
 """The examples whose ``init`` runs, in this order."""
 
 

@@ -7,20 +7,25 @@ announcements on it."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
+import json
 import signal
 import subprocess
 import sys
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import distinct, func, select
+import httpx
+from sqlalchemy import Table, distinct, func, select
 
 from consumer_kit import ConsumerApp
+from consumer_kit.testing.server import free_port
 from tests.conftest import make_settings
 from tests.integration.rabbit import wait_until
+from tests.processes import stop_cleanly, wait_until_served
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -99,3 +104,40 @@ async def kill_and_restart(worker: Worker, pg_database: str, *, orders: int,
         assert code == 0, worker.log.read_text()
         assert await recorded() == (orders, orders)  # exactly once, across the kill
     assert await depth() == 0  # the drained worker left nothing unacknowledged
+
+
+def serve(module: str, env: dict[str, str], port: int) -> subprocess.Popen[str]:
+    """``consumer-kit run examples.<module>:app --port <port>``, its output piped."""
+    return subprocess.Popen([str(Path(sys.executable).with_name("consumer-kit")), "--log-level", "WARNING", "run",
+                             f"examples.{module}:app", "--port", str(port)], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+@contextlib.asynccontextmanager
+async def served(module: str, env: dict[str, str]) -> AsyncIterator[httpx.AsyncClient]:
+    """The example worker started with ``--port``, once ``/readyz`` says it is ready: a client on it.
+    After, SIGTERM: it must exit 0 without a traceback (the Redis test's too)."""
+    port = free_port()
+    process = serve(module, env, port)
+    try:
+        await asyncio.to_thread(wait_until_served, process, f"http://127.0.0.1:{port}/readyz")
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=5) as client:
+            assert (await client.get("/readyz")).json() == {"ready": True}
+            yield client
+    finally:
+        await asyncio.to_thread(stop_cleanly, process)
+
+
+def assert_announced_once(by_id: dict[str, set[bytes]], orders: int) -> None:
+    """Every order announced, under one id each (the outbox row's). A repeat of an id can only be a row
+    the killed relay had published but not recorded as published: the same id with the same body."""
+    assert {json.loads(body)["order"] for bodies in by_id.values() for body in bodies} == {
+        f"O-{i}" for i in range(orders)}
+    assert len(by_id) == orders and all(len(bodies) == 1 for bodies in by_id.values())
+
+
+async def rows(pg_database: str, table: Table) -> int:
+    """How many rows the example's table holds."""
+    observer = ConsumerApp(make_settings(pg_database, db_pool_size=1))
+    async with observer.running(), observer.engine.connect() as conn:
+        return int((await conn.execute(select(func.count()).select_from(table))).scalar_one())

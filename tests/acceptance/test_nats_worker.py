@@ -8,24 +8,17 @@ and a worker started with ``--port`` is ready and counts a late duplicate in ``/
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
-import subprocess
-import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-import httpx
 import pytest
-from sqlalchemy import Table, func, select
 
-from consumer_kit import ConsumerApp
-from consumer_kit.testing.server import free_port
 from examples import nats_worker
-from tests.acceptance.example_workers import ROOT, Worker, kill_and_restart
+from tests.acceptance.example_workers import Worker, assert_announced_once, kill_and_restart, rows, served
 from tests.acceptance.test_worker_port import sample
-from tests.conftest import TEST_HMAC_KEY, make_settings
+from tests.conftest import TEST_HMAC_KEY
 from tests.integration.nats_env import (
     DUPLICATE_WINDOW,
     NATS_URL,
@@ -36,7 +29,6 @@ from tests.integration.nats_env import (
     publish,
 )
 from tests.integration.rabbit import wait_until
-from tests.processes import stop_cleanly, wait_until_served
 
 pytestmark = [pytest.mark.nats, pytest.mark.postgres]
 
@@ -76,43 +68,6 @@ async def announcements(events: Stream) -> dict[str, set[bytes]]:
             for message in batch:
                 by_id.setdefault((message.headers or {}).get("Nats-Msg-Id", ""), set()).add(message.data)
                 await message.ack()
-
-
-def serve(module: str, env: dict[str, str], port: int) -> subprocess.Popen[str]:
-    """``consumer-kit run examples.<module>:app --port <port>``, its output piped."""
-    return subprocess.Popen([str(Path(sys.executable).with_name("consumer-kit")), "--log-level", "WARNING", "run",
-                             f"examples.{module}:app", "--port", str(port)], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
-@contextlib.asynccontextmanager
-async def served(module: str, env: dict[str, str]) -> AsyncIterator[httpx.AsyncClient]:
-    """The example worker started with ``--port``, once ``/readyz`` says it is ready: a client on it.
-    After, SIGTERM: it must exit 0 without a traceback (the Redis test's too)."""
-    port = free_port()
-    process = serve(module, env, port)
-    try:
-        await asyncio.to_thread(wait_until_served, process, f"http://127.0.0.1:{port}/readyz")
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=5) as client:
-            assert (await client.get("/readyz")).json() == {"ready": True}
-            yield client
-    finally:
-        await asyncio.to_thread(stop_cleanly, process)
-
-
-def assert_announced_once(by_id: dict[str, set[bytes]], orders: int) -> None:
-    """Every order announced, under one id each (the outbox row's). A repeat of an id can only be a row
-    the killed relay had published but not recorded as published: the same id with the same body."""
-    assert {json.loads(body)["order"] for bodies in by_id.values() for body in bodies} == {
-        f"O-{i}" for i in range(orders)}
-    assert len(by_id) == orders and all(len(bodies) == 1 for bodies in by_id.values())
-
-
-async def rows(pg_database: str, table: Table) -> int:
-    """How many rows the example's table holds."""
-    observer = ConsumerApp(make_settings(pg_database, db_pool_size=1))
-    async with observer.running(), observer.engine.connect() as conn:
-        return int((await conn.execute(select(func.count()).select_from(table))).scalar_one())
 
 
 async def test_sigkill_mid_stream_then_restart_records_each_order_once(

@@ -18,8 +18,7 @@ import redis.asyncio
 
 from consumer_kit.sources.redis import MESSAGE_ID_FIELD
 from examples import redis_worker
-from tests.acceptance.example_workers import Worker, kill_and_restart
-from tests.acceptance.test_nats_worker import assert_announced_once, rows, served
+from tests.acceptance.example_workers import Worker, assert_announced_once, kill_and_restart, rows, served
 from tests.acceptance.test_worker_port import sample
 from tests.conftest import TEST_HMAC_KEY
 from tests.integration.rabbit import wait_until
