@@ -49,6 +49,43 @@ LOST_TO_OTHERS = Counter(
     "the inbox's lease fences the second run.", ["source"])
 
 
+class _Acks:
+    """The XACKs of the entries settled in one turn of the event loop, sent as one command: each caller
+    waits for the reply to its own. A failed XACK fails every caller of it; the group hands those
+    entries out again, and the inbox acknowledges each as a duplicate."""
+
+    def __init__(self, client: redis.asyncio.Redis, stream: str, group: str) -> None:
+        self._client, self._stream, self._group = client, stream, group
+        self._ids: list[str] = []
+        self._sent: asyncio.Future[None] | None = None
+        self._flushes: set[asyncio.Task[None]] = set()
+
+    async def ack(self, entry_id: str) -> None:
+        if self._sent is None:
+            loop = asyncio.get_running_loop()
+            self._sent = loop.create_future()
+            self._sent.add_done_callback(lambda f: f.cancelled() or f.exception())  # read, even with no waiter left
+            flush = loop.create_task(self._flush())  # runs after this turn's other settlements appended theirs
+            self._flushes.add(flush)
+            flush.add_done_callback(self._flushes.discard)
+        self._ids.append(entry_id)
+        await asyncio.shield(self._sent)  # a cancelled caller leaves the others' XACK alone
+
+    async def _flush(self) -> None:
+        ids, sent = self._ids, self._sent
+        self._ids, self._sent = [], None
+        assert sent is not None
+        try:
+            await self._client.xack(self._stream, self._group, *ids)
+        except asyncio.CancelledError:
+            sent.cancel()
+            raise
+        except BaseException as exc:
+            sent.set_exception(exc)
+        else:
+            sent.set_result(None)
+
+
 @dataclass(slots=True)
 class _Waiting:
     """A RETRY_LATER entry left pending in this consumer's list until ``due`` (monotonic)."""
@@ -98,6 +135,7 @@ class RedisStreamSource(PullingSource[Entry]):
         self._body = body_field.encode("utf-8")
         self._client: redis.asyncio.Redis | None = None
         self._claims: Claims | None = None
+        self._acks: _Acks | None = None
         self._holding: set[str] = set()  # ids of the entries pulled and not settled yet
         self._waiting: dict[str, _Waiting] = {}  # RETRY_LATER entries, by id
         self._own_cursor: str | None = "0"  # where reading this consumer's own pending list goes on
@@ -134,6 +172,7 @@ class RedisStreamSource(PullingSource[Entry]):
             await self._shut()
             raise unreachable(exc, url, self.name) from exc
         self._claims = Claims(self._client, self.stream, self.group, self.consumer)
+        self._acks = _Acks(self._client, self.stream, self.group)
         self._own_cursor, self._claim_cursor, self._next_claim = "0", "0-0", 0.0
         self._tender = asyncio.create_task(self._tend(), name=f"{self.name}-retries")
         log.info("reading %s as %s of group %s (max in flight %d)", self.stream, self.consumer, self.group,
@@ -169,7 +208,7 @@ class RedisStreamSource(PullingSource[Entry]):
         if self._claims is not None:
             with contextlib.suppress(Exception):  # tidiness only: the group lists a consumer until deleted
                 await self._claims.forget_consumer_if_idle()
-        self._claims = None
+        self._claims = self._acks = None
         with contextlib.suppress(Exception):
             await connection.aclose()
 
@@ -334,7 +373,8 @@ class RedisStreamSource(PullingSource[Entry]):
         try:
             with self._watched():
                 if result.settlement is Settlement.ACK:
-                    await self._client.xack(self.stream, self.group, message.id)
+                    assert self._acks is not None
+                    await self._acks.ack(message.id)
                 elif result.settlement is Settlement.DEAD_LETTER:
                     await self._dead_letter(message, result)
                 else:
