@@ -12,15 +12,17 @@ from tests.chaos.run import run
 pytestmark = [pytest.mark.postgres]
 
 
-# Enough messages that every fault lands while work remains: the batch path consumes several times
-# faster than the others, and a broker cut (rabbitmqctl) takes a second or two.
-MESSAGES = {"batch": 24_000}
+# Enough messages that every fault lands while work remains (each is placed at a share of the messages,
+# and asserted to have come before the last): the batch path consumes several times faster than the
+# others, and a broker cut (rabbitmqctl) takes a second or two. The full size is the command's.
+MESSAGES = {"batch": 16_000}
+SMALL = 3000
 
 
 @pytest.mark.rabbitmq
 @pytest.mark.parametrize("path", ["default", "single", "batch", "outbox"])
 async def test_kills_and_cuts_lose_and_double_nothing(path: str, tmp_path: Path) -> None:
-    report = await run(path, messages=MESSAGES.get(path, 6000), kills=3, settle_seconds=240, log_dir=tmp_path)
+    report = await run(path, messages=MESSAGES.get(path, SMALL), kills=3, settle_seconds=240, log_dir=tmp_path)
     print(report.line())
     # the faults hit work under way
     assert report.done_at_cut < report.messages and report.done_at_fault < report.messages, report.line()
@@ -35,7 +37,7 @@ async def test_kills_and_cuts_lose_and_double_nothing(path: str, tmp_path: Path)
 async def test_a_database_server_crash_loses_and_doubles_nothing(path: str, tmp_path: Path) -> None:
     """The database server itself crashes (on a server of the run's own) while the worker consumes: a
     lease the crash lost (it commits without waiting for its flush) is a lease ended early."""
-    report = await run(path, messages=6000, kills=3, settle_seconds=240, log_dir=tmp_path, crash=True)
+    report = await run(path, messages=SMALL, kills=3, settle_seconds=240, log_dir=tmp_path, crash=True)
     print(report.line())
     assert report.recovered, "the server did not go through crash recovery"
     # the faults hit work under way
