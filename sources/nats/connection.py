@@ -6,6 +6,7 @@ shows a password or token."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 from urllib.parse import urlsplit, urlunsplit
@@ -44,19 +45,28 @@ async def connect(url: str, name: str, *, on_disconnected: Callable[[], Awaitabl
     async def nothing() -> None:
         return None
 
+    # Each client made here (not through nats.connect, which keeps none when it raises) is closed when
+    # its connect fails: nats-py leaves the socket of a refused login open otherwise.
+    probe, client = Client(), Client()
     try:
         # Two tries of each server, a tenth of a second apart (nats-py counts 0 attempts as "for ever").
-        probe = await nats.connect(servers=servers, name=f"{name}-probe", connect_timeout=CONNECT_TIMEOUT_SECONDS,
-                                   allow_reconnect=False, max_reconnect_attempts=1, reconnect_time_wait=0.1,
-                                   error_cb=error)
+        await probe.connect(servers=servers, name=f"{name}-probe", connect_timeout=CONNECT_TIMEOUT_SECONDS,
+                            allow_reconnect=False, max_reconnect_attempts=1, error_cb=error,
+                            reconnect_time_wait=0.1)  # type: ignore[arg-type]  # annotated int; it sleeps for it
         await probe.close()
         async with asyncio.timeout(4 * CONNECT_TIMEOUT_SECONDS):
-            client = await nats.connect(
+            await client.connect(
                 servers=servers, name=name, connect_timeout=CONNECT_TIMEOUT_SECONDS,
-                reconnect_time_wait=RECONNECT_WAIT_SECONDS, max_reconnect_attempts=-1, allow_reconnect=True,
-                error_cb=error, disconnected_cb=on_disconnected or nothing, reconnected_cb=on_reconnected or nothing)
+                reconnect_time_wait=RECONNECT_WAIT_SECONDS,  # type: ignore[arg-type]  # as above
+                max_reconnect_attempts=-1, allow_reconnect=True, error_cb=error,
+                disconnected_cb=on_disconnected or nothing, reconnected_cb=on_reconnected or nothing)
     except Exception as exc:
-        raise unreachable(errors[-1] if errors else exc, url, name) from exc
+        for each in (probe, client):
+            with contextlib.suppress(Exception):
+                await each.close()
+        # A refused login may be followed by the reset of its connection: the refusal says more.
+        refusal = next((e for e in errors if isinstance(e, nats.errors.AuthorizationError)), None)
+        raise unreachable(refusal or (errors[-1] if errors else exc), url, name) from exc
     connected = True
     return client
 
@@ -67,6 +77,11 @@ def unreachable(exc: BaseException, url: str, what: str) -> ConfigurationError:
     causes = [exc, exc.__cause__, exc.__context__]
     if any(isinstance(c, nats.errors.AuthorizationError) for c in causes) or "authorization" in str(exc).lower():
         why = "the server refused the login (wrong user, password or token)"
+    elif any(isinstance(c, ConnectionResetError) for c in causes):
+        # nats-server closes the connection after its -ERR for a bad login, and nats-py sometimes
+        # reads the close first.
+        why = ("the server closed the connection during the handshake: it refused the login (wrong user, password "
+               "or token), or it wants TLS")
     elif any(isinstance(c, ConnectionRefusedError) for c in causes):
         why = "connection refused (nothing listens there: is nats-server running, and is the port right?)"
     elif isinstance(exc, nats.errors.NoServersError | TimeoutError):
