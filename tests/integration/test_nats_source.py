@@ -24,8 +24,6 @@ from nats.js.api import AckPolicy, ConsumerConfig
 from nats.js.errors import NoStreamResponseError
 from opentelemetry.trace import SpanKind
 from prometheus_client import REGISTRY
-from sqlalchemy import text
-from sqlalchemy.ext.asyncio import create_async_engine
 
 from consumer_kit import Batch, ConfigurationError, ConsumerApp, Context, RetryableError, TerminalError
 from consumer_kit.delivery import Replayed
@@ -43,6 +41,7 @@ from consumer_kit.sources.nats import (
     NatsSource,
 )
 from tests.conftest import TEST_HMAC_KEY, Spans, make_settings
+from tests.integration.effects import EffectTable
 from tests.integration.nats_env import (
     NATS_URL,
     NatsServer,
@@ -81,28 +80,8 @@ def attach(app: ConsumerApp, stream: Stream, handler: Handler, *, batch: Batch |
     return source
 
 
-async def prepare(database_url: str) -> None:
-    engine = create_async_engine(database_url)
-    try:
-        async with engine.begin() as conn:
-            await conn.exec_driver_sql("CREATE TABLE IF NOT EXISTS nats_effects (ticket VARCHAR(200) NOT NULL)")
-            await conn.exec_driver_sql("DELETE FROM nats_effects")
-    finally:
-        await engine.dispose()
-
-
-async def effect(ctx: Context, ticket: str) -> None:
-    await ctx.db.execute(text("INSERT INTO nats_effects (ticket) VALUES (:t)"), {"t": ticket})
-
-
-async def effects(database_url: str) -> dict[str, int]:
-    engine = create_async_engine(database_url)
-    try:
-        async with engine.connect() as conn:
-            rows = (await conn.exec_driver_sql("SELECT ticket, count(*) FROM nats_effects GROUP BY ticket")).all()
-    finally:
-        await engine.dispose()
-    return {r[0]: int(r[1]) for r in rows}
+EFFECTS = EffectTable("nats_effects")
+prepare, effect, effects = EFFECTS.prepare, EFFECTS.write, EFFECTS.counts
 
 
 def settlements(source: NatsSource, action: str) -> float:

@@ -22,8 +22,6 @@ from typing import Any
 import pytest
 import redis.asyncio
 from prometheus_client import REGISTRY
-from sqlalchemy import text
-from sqlalchemy.ext.asyncio import create_async_engine
 
 from consumer_kit import Batch, ConfigurationError, ConsumerApp, Context, RetryableError, TerminalError
 from consumer_kit.keys import short
@@ -38,6 +36,7 @@ from consumer_kit.sources.redis import (
     RedisStreamSource,
 )
 from tests.conftest import make_settings
+from tests.integration.effects import EffectTable
 from tests.integration.rabbit import wait_until
 from tests.integration.redis_env import (
     GROUP,
@@ -68,27 +67,8 @@ def worker(database_url: str, stream: str, handler: Handler, *, url: str = REDIS
     return app, source
 
 
-async def prepare(database_url: str) -> None:
-    engine = create_async_engine(database_url)
-    try:
-        async with engine.begin() as conn:
-            await conn.exec_driver_sql("CREATE TABLE IF NOT EXISTS redis_effects (ticket VARCHAR(200) NOT NULL)")
-    finally:
-        await engine.dispose()
-
-
-async def effect(ctx: Context, ticket: str) -> None:
-    await ctx.db.execute(text("INSERT INTO redis_effects (ticket) VALUES (:t)"), {"t": ticket})
-
-
-async def effects(database_url: str) -> dict[str, int]:
-    engine = create_async_engine(database_url)
-    try:
-        async with engine.connect() as conn:
-            rows = (await conn.exec_driver_sql("SELECT ticket, count(*) FROM redis_effects GROUP BY ticket")).all()
-    finally:
-        await engine.dispose()
-    return {r[0]: int(r[1]) for r in rows}
+EFFECTS = EffectTable("redis_effects")
+prepare, effect, effects = EFFECTS.prepare, EFFECTS.write, EFFECTS.counts
 
 
 def counted(metric: str, source: RedisStreamSource) -> float:
