@@ -202,6 +202,11 @@ class ConsumerApp:
         return self._pipeline
 
     @property
+    def http(self) -> httpx.AsyncClient | None:
+        """The HTTP client handlers call out with (``ctx.http``); ``None`` until the app starts."""
+        return self._http
+
+    @property
     def coordinator(self) -> Coordinator:
         """The coordinator the pipeline creates sessions with (available once started)."""
         if self._coordinator is None:

@@ -48,6 +48,20 @@ HTTP_REJECTED = Counter(
     "HTTP requests refused before they became deliveries (unverified, malformed, too large), by reason.",
     ["source", "reason"],
 )
+IDEMPOTENT_REQUESTS = Counter(
+    "consumer_kit_http_idempotent_requests_total",
+    "Requests to idempotent endpoints (an Idempotency-Key route), by endpoint name and outcome: processed,"
+    " replayed, in_progress, key_reused, key_missing, key_malformed, key_repeated, key_expired, failed,"
+    " too_large, timed_out, lease_lost, unavailable.",
+    ["endpoint", "outcome"],
+)
+IDEMPOTENT_SECONDS = Histogram(
+    "consumer_kit_http_idempotent_seconds",
+    "Time from the claim of a key to its stored response, for requests that ran their route.", ["endpoint"],
+)
+IDEMPOTENT_OUTCOMES = ("processed", "replayed", "in_progress", "key_reused", "key_missing", "key_malformed",
+                       "key_repeated", "key_expired", "failed", "too_large", "timed_out", "lease_lost",
+                       "unavailable")
 HTTP_CUT_OFF = Counter(
     "consumer_kit_http_cut_off_total",
     "HTTP connections our servers closed for a request head over HTTP_MAX_HEADER_BYTES or a request not "

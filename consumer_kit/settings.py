@@ -87,6 +87,9 @@ class Settings(BaseSettings):
     inbox_tombstone_seconds: int = Field(
         2_592_000, ge=0, description="How long the sweeper keeps the digest of each inbox row it deletes, so that "
         "a key seen again after its sweep is caught as late (0: none).")
+    idempotent_response_limit_bytes: int = Field(
+        262_144, gt=0, description="The largest response an idempotent endpoint stores for its replays (256 KiB, "
+        "as COORDINATOR_BODY_LIMIT_BYTES); a larger one is refused (500) and its writes rolled back.")
     retry_attempts: int = Field(3, ge=1, description="Handler attempts within one delivery.")
     retry_backoff_seconds: float = Field(0.05, ge=0, description="First in-process backoff; doubles.")
     retry_backoff_max_seconds: float = Field(

@@ -200,13 +200,17 @@ class Inbox:
         return claims
 
     async def complete(self, ex: Executor, consumer: str, digest: str, token: str, *, outcome: str,
-                       ending: Ending | None = None) -> bool:
+                       ending: Ending | None = None, result: Any = None) -> bool:
         """The second transaction, the handler's own: mark the row completed if the lease is
         still ours. ``False`` means another attempt took over: the caller must roll back. ``ending``
-        (PostgreSQL) ends the coordinator's session in the same statement (``Ending.ended``)."""
+        (PostgreSQL) ends the coordinator's session in the same statement (``Ending.ended``).
+        ``result`` (JSON) is stored with the row, for a repeat to be answered with (``Claim.result``)."""
         now = self.clock()
         params = {"consumer": consumer, "key_digest": digest, "lease_token": token, "outcome": outcome,
                   "now": now, "expires_at": now + self.retention, "keep_from": now + self.retention - self.lease}
+        if result is not None:
+            assert ending is None, "a stored result and a coordinator ending are not written together"
+            return await ex.execute(sql.COMPLETE_WITH_RESULT, {**params, "result": result}) == 1
         if ending is None:
             return await ex.execute(sql.COMPLETE, params) == 1
         return await self._dialect.complete_ending(ex, params, ending)

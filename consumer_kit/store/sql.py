@@ -198,6 +198,8 @@ _COMPLETE = (
     " AND lease_token = :lease_token"
 )
 COMPLETE = Statement(_COMPLETE)
+# The same, storing what a repeat is answered with (an idempotent HTTP endpoint's response).
+COMPLETE_WITH_RESULT = Statement(_COMPLETE.replace("outcome = :outcome,", "outcome = :outcome, result = :result,"))
 RENEW = Statement(
     "UPDATE inbox SET locked_until = :locked_until, updated_at = :now"
     " WHERE consumer = :consumer AND key_digest = :key_digest AND state = 'started'"

@@ -287,6 +287,17 @@ class DeliveryTracer:
         span = self.tracer.start_span(name, context=parent, kind=kind, attributes=attributes, links=links)
         return DeliveryTrace(self.tracer, span)
 
+    def request(self, name: str, attributes: Mapping[str, Any], headers: Mapping[str, str]) -> Span:
+        """The SERVER span of one request to an idempotent endpoint, continuing the context its headers
+        carry (inside a server instrumentation's span: that span's child, internal). It is not made
+        current: the request's steps may run in other tasks than the one that ends it; the caller ends
+        it (:func:`end_request`)."""
+        parent, links = incoming(headers)
+        kind = SpanKind.SERVER
+        if trace.get_current_span().get_span_context().is_valid:
+            parent, kind = otel_context.get_current(), SpanKind.INTERNAL
+        return self.tracer.start_span(name, context=parent, kind=kind, attributes=dict(attributes), links=links)
+
     def batch(self, works: Iterable[Work]) -> BatchTrace:
         """Start the span of a batch transaction, linked to the span of each delivery in it."""
         works = list(works)
@@ -336,3 +347,15 @@ def install_log_ids() -> None:
         return made
 
     logging.setLogRecordFactory(factory)
+
+
+def end_request(span: Span, status: int, outcome: str, exc: BaseException | None = None,
+                key: OperationKey | None = None) -> None:
+    """End an idempotent request's span (:meth:`DeliveryTracer.request`) with its answer."""
+    span.set_attribute("http.response.status_code", status)
+    span.set_attribute("consumer_kit.outcome", outcome)
+    if status >= 500:
+        span.set_status(Status(StatusCode.ERROR, outcome))
+    if exc is not None:
+        record(span, exc, key)
+    span.end()

@@ -1,0 +1,100 @@
+"""The request side of an idempotent endpoint: the ``Idempotency-Key`` header, the caller's scope and the
+request's fingerprint (what "the same request" means).
+
+The header is a Structured Field Item whose value is a String (RFC 8941 section 3.3.3, as the IETF draft
+``draft-ietf-httpapi-idempotency-key-header`` says): ``Idempotency-Key: "8e03978e-40d5-43e8"``. It is
+parsed with ``http-sfv`` rather than by hand, since the grammar (escapes, parameters, trailing text) is
+easy to get subtly wrong. A client that sends the key bare (``Idempotency-Key: 8e03978e``, as many
+SDKs do) is refused unless the endpoint accepts ``bare_keys``; either way the key is then held to the
+rules every operation key follows (:func:`consumer_kit.keys.validate_key`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Sequence
+from urllib.parse import parse_qsl
+
+from http_sfv.item import Item
+
+from consumer_kit.errors import InvalidKey
+from consumer_kit.keys import validate_key
+from consumer_kit.untrusted import UnparseableJson, loads_json
+
+HEADER = b"idempotency-key"
+
+__all__ = ["HEADER", "KeyRefused", "fingerprint", "header_key"]
+
+
+class KeyRefused(Exception):
+    """The request's key is missing, sent twice or malformed; ``code`` is the answer's error (a 400)."""
+
+    def __init__(self, code: str) -> None:
+        super().__init__(code)
+        self.code = code
+
+
+def header_key(raw_headers: Iterable[tuple[bytes, bytes]], *, bare: bool = False) -> str | None:
+    """The key the request carries (``None``: no header). :class:`KeyRefused` for a header sent twice
+    (``idempotency_key_repeated``), one that is not an sf-string or breaks the key rules
+    (``idempotency_key_malformed``); the message never quotes the key."""
+    values = [value for name, value in raw_headers if name.lower() == HEADER]
+    if not values:
+        return None
+    if len(values) > 1:
+        raise KeyRefused("idempotency_key_repeated")
+    raw = values[0]
+    item = Item()
+    value: object
+    try:
+        item.parse(raw)
+        value = item.value
+    except ValueError:
+        value = None
+    if type(value) is not str:  # a Token or a number is not the draft's String
+        if not bare:
+            raise KeyRefused("idempotency_key_malformed")
+        try:
+            value = raw.decode("ascii").strip()
+        except UnicodeDecodeError:
+            raise KeyRefused("idempotency_key_malformed") from None
+    try:
+        return validate_key(value)
+    except InvalidKey:
+        raise KeyRefused("idempotency_key_malformed") from None
+
+
+def fingerprint(method: str, path: str, query: bytes, body: bytes, content_type: str | None,
+                headers: Sequence[tuple[str, str]] = ()) -> str:
+    """SHA-256 over the method, the path, the query's pairs in order of name, the body and the named
+    ``headers``: the same request sent again has the same fingerprint. A JSON body is taken in a
+    canonical form (keys sorted, no spaces), so that a client re-serialising the same object is not a
+    different request; any other body byte for byte."""
+    digest = hashlib.sha256()
+
+    def part(value: bytes) -> None:
+        digest.update(len(value).to_bytes(8, "big"))
+        digest.update(value)
+
+    part(method.upper().encode())
+    part(path.encode("utf-8", "surrogateescape"))
+    for name, value in sorted(parse_qsl(query.decode("latin-1"), keep_blank_values=True)):
+        part(name.encode("utf-8", "surrogateescape"))
+        part(value.encode("utf-8", "surrogateescape"))
+    part(_canonical(body, content_type))
+    for name, value in sorted((n.lower(), v) for n, v in headers):
+        part(name.encode("latin-1"))
+        part(value.encode("latin-1", "replace"))
+    return digest.hexdigest()
+
+
+def _canonical(body: bytes, content_type: str | None) -> bytes:
+    media = (content_type or "").split(";", 1)[0].strip().lower()
+    if body and (media == "application/json" or media.endswith("+json")):
+        try:
+            parsed = loads_json(body, strict=False)
+        except UnparseableJson:
+            return b"raw:" + body
+        return b"json:" + json.dumps(parsed, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+    return b"raw:" + body
