@@ -1,5 +1,8 @@
 """The chaos run's RabbitMQ side: the shared broker on 127.0.0.1:5672, a queue ``ck-chaos-<token>`` (and
-its ``.out`` queue for the outbox path); the fault has the broker close the worker's connection."""
+its ``.out`` queue for the outbox path). The worker reaches the broker through a TCP proxy of the run's
+own, and the fault is a cut there: every connection through it dropped at once and new ones refused
+for a second, as when the network to the broker fails. (Having the broker close the connection with
+rabbitmqctl took seconds on a busy host, and the worker could finish its work before the cut came.)"""
 
 from __future__ import annotations
 
@@ -9,9 +12,10 @@ import subprocess
 import aio_pika
 
 from tests.chaos.transport import Transport
-from tests.integration.rabbit import close_connections_named
+from tests.integration.rabbit import TcpProxy
 
 AMQP_URL = "amqp://guest:guest@127.0.0.1:5672/"
+DOWN_SECONDS = 1.0  # how long the cut broker refuses new connections
 
 
 def _queue_counts(prefix: str) -> tuple[int, int]:
@@ -36,9 +40,13 @@ class RabbitTransport(Transport):
     def __init__(self, token: str) -> None:
         super().__init__(token)
         self.queue = f"ck-chaos-{token}"
+        self.proxy = TcpProxy()
+
+    async def start(self) -> None:
+        await self.proxy.start()
 
     def env(self) -> dict[str, str]:
-        return {"CHAOS_TRANSPORT": self.name, "RABBITMQ_URL": AMQP_URL, "CHAOS_QUEUE": self.queue}
+        return {"CHAOS_TRANSPORT": self.name, "RABBITMQ_URL": self.proxy.url, "CHAOS_QUEUE": self.queue}
 
     async def publish(self, messages: list[str]) -> None:
         connection = await aio_pika.connect(AMQP_URL)
@@ -56,10 +64,11 @@ class RabbitTransport(Transport):
         return await asyncio.to_thread(_queue_counts, self.queue)
 
     async def fault(self) -> None:
-        """Have the broker close the worker's connection (rabbitmqctl takes a second or two)."""
-        name = f"{self.queue}-worker"
-        closed = await asyncio.to_thread(close_connections_named, name)
-        assert closed > 0, f"no broker connection named {name} to close"
+        """Cut the worker off the broker: its connections dropped, new ones refused for a second."""
+        assert self.proxy.connections > 0, "no worker connection through the proxy to cut"
+        await self.proxy.stop()
+        await asyncio.sleep(DOWN_SECONDS)
+        await self.proxy.start()  # the same port: the worker's reconnects find the broker again
 
     async def downstream_ids(self) -> set[str]:
         ids: set[str] = set()
@@ -73,6 +82,7 @@ class RabbitTransport(Transport):
         return ids
 
     async def remove(self) -> None:
+        await self.proxy.stop()
         command = ["rabbitmqctl", "list_queues", "name", "-q", "--no-table-headers"]
         listing = await asyncio.to_thread(subprocess.run, command, capture_output=True, text=True, timeout=60,
                                           check=True)

@@ -5,7 +5,7 @@ For one transport and path (RabbitMQ: ``default``, ``single``, ``batch``, ``outb
 ``default``, ``single``): publish ``messages`` distinct messages plus 10% duplicates (the same business
 id sent again: AMQP ``message_id``, ``Nats-Msg-Id``, Redis field ``chaos-id``), run ``consumer-kit run
 tests.chaos.worker:app``, and while it consumes: SIGKILL it ``kills`` times at random points of its
-progress (starting it again each time), hit the broker once (RabbitMQ closes the worker's connections;
+progress (starting it again each time), hit the broker once (RabbitMQ: the worker's connections cut at a proxy;
 the NATS or Redis server, one of the run's own, is killed with SIGKILL and started again), and terminate
 its database backends once (or, ``--crash``, crash the database server, one of the run's own, and start
 it again). Then let it finish, stop it with SIGTERM and count: effects lost and doubled, messages left
@@ -117,8 +117,7 @@ async def _done(db: asyncpg.Connection, at_least: float, *, of: int, patience: f
 
 
 async def _broker_fault(url: str, broker: Transport) -> int:
-    """The transport's broker fault (a cut takes rabbitmqctl a second or two; a restart, the server's
-    start); the effects committed by then, counted on a connection of its own (the database may be down
+    """The transport's broker fault (a cut, or a server restart); the effects committed by then, counted on a connection of its own (the database may be down
     for a moment)."""
     await broker.fault()
     for attempt in range(20):
@@ -155,7 +154,7 @@ async def _faults(db: asyncpg.Connection, url: str, worker: Worker, broker: Tran
         worker.kill()
         restarted_at = await _done(db, 0, of=messages)
         worker.start()
-        if number == cut_after:  # awaited: the next kill must not come while rabbitmqctl looks
+        if number == cut_after:  # awaited: the next kill must not come while the broker is down
             await _done(db, max(step * (number + 0.5), restarted_at + step / 5), of=messages)
             done_at_cut = await _broker_fault(url, broker)
         if number == db_cut_after:

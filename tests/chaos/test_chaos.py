@@ -14,7 +14,7 @@ pytestmark = [pytest.mark.postgres]
 
 # Enough messages that every fault lands while work remains (each is placed at a share of the messages,
 # and asserted to have come before the last): the batch path consumes several times faster than the
-# others, and a broker cut (rabbitmqctl) takes a second or two. The full size is the command's.
+# others. The full size is the command's.
 MESSAGES = {"batch": 16_000}
 SMALL = 3000
 

@@ -3,9 +3,9 @@ Streams), so that one runner (tests/chaos/run.py) drives them all.
 
 A :class:`Transport` owns the run's queue or stream (and, for NATS and Redis, a server of the run's own):
 it publishes the messages as given (duplicates included, each to reach the consumer), counts what is
-left over and what is held unsettled, carries out the broker fault once (RabbitMQ closes the worker's
-connection; a server of the run's own is killed with SIGKILL and started again), and removes everything
-at the end.
+left over and what is held unsettled, carries out the broker fault once (RabbitMQ: the worker's
+connection cut at a proxy of the run's own; NATS and Redis: the run's server killed with SIGKILL and
+started again), and removes everything at the end.
 """
 
 from __future__ import annotations

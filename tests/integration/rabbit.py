@@ -172,6 +172,11 @@ class TcpProxy:
     def url(self) -> str:
         return f"amqp://guest:guest@127.0.0.1:{self.port}/"
 
+    @property
+    def connections(self) -> int:
+        """The client connections it forwards now."""
+        return len(self._writers) // 2
+
     async def start(self) -> None:
         self._server = await asyncio.start_server(self._handle, "127.0.0.1", self.port)
         self.port = self._server.sockets[0].getsockname()[1]
