@@ -22,6 +22,10 @@ protocol uses, so both see the same requests) and, per request:
 Everything else (parsing for the application, keep-alive, flow control, graceful shutdown) is uvicorn's
 protocol, unchanged. Time spent processing a request or sending its response is not bounded here.
 
+The gate also hands uvicorn's protocol a transport of its own (:class:`_Coalescing`) that sends a
+response's head with its body: uvicorn writes them separately, which was two ``send`` calls and two
+TCP segments per answer, and a client woken (and parsing) twice.
+
 Only uvicorn's public surface is used. ``uvicorn.Config(http=...)`` takes a protocol class, and
 :class:`BoundedConfig` lets ``Config.load()`` resolve uvicorn's own httptools class as it always does,
 then hands uvicorn a gate class in its place (``Config.http_protocol_class``, the class uvicorn's server
@@ -36,6 +40,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+from collections.abc import Iterable
 from typing import Any, cast
 
 import httptools
@@ -81,6 +86,7 @@ class BoundedHttp(asyncio.Protocol):
         except AttributeError:  # pragma: no cover (httptools < 0.6.3, like uvicorn)
             pass
         self._transport: asyncio.Transport | None = None
+        self._out: _Coalescing | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._refused = False
         self._upgraded = False
@@ -94,8 +100,9 @@ class BoundedHttp(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = cast(asyncio.Transport, transport)
+        self._out = _Coalescing(self._transport, self._loop)
         self._arm()  # a connection that never sends a request is closed too
-        self._inner.connection_made(self._transport)
+        self._inner.connection_made(self._out)
 
     def data_received(self, data: bytes) -> None:
         if self._refused or self._upgraded:
@@ -125,6 +132,8 @@ class BoundedHttp(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
         self._parser = None
+        if self._out is not None:
+            self._out.discard()
         self._inner.connection_lost(exc)
 
     def pause_writing(self) -> None:
@@ -170,6 +179,7 @@ class BoundedHttp(asyncio.Protocol):
             return
         # Nothing sent yet, or a body still arriving: the application (if any) sees a disconnect.
         self._count("request_timeout")
+        self._flush()
         transport.close()
 
     def _refuse(self, reason: str, answer: bytes) -> None:
@@ -178,15 +188,113 @@ class BoundedHttp(asyncio.Protocol):
         self._count(reason)
         self._refused = True
         self._disarm()
+        self._flush()  # an earlier answer still held goes first
         transport.write(answer)
         if transport.can_write_eof():
             transport.write_eof()
         self._timer = self._loop.call_later(LINGER_SECONDS, transport.close)
 
+    def _flush(self) -> None:
+        if self._out is not None:
+            self._out.flush()
+
     def _count(self, reason: str) -> None:
         metrics.HTTP_CUT_OFF.labels(reason).inc()
         peer = self._transport.get_extra_info("peername") if self._transport is not None else None
         log.info("closed an HTTP connection from %s: %s", peer[0] if peer else "?", reason)
+
+
+class _Coalescing(asyncio.Transport):
+    """The connection's transport as uvicorn's protocol sees it: a small write (a response's head) is
+    held until the next write, which goes out with it, or until the loop's next turn, whichever comes
+    first. At most one write of at most ``HOLD_BYTES`` is ever held, so flow control (the transport's
+    own buffer and its pause_writing/resume_writing) sees every byte within one turn of the loop; a
+    close or an EOF sends what is held first, an abort drops it. No await is involved: nothing here
+    can be cancelled halfway."""
+
+    HOLD_BYTES = 4096
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__()
+        self._transport = transport
+        self._loop = loop
+        self._held = b""
+        self._flushing: asyncio.Handle | None = None
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        if not data:
+            return
+        if not self._held and len(data) <= self.HOLD_BYTES and not self._transport.is_closing():
+            self._held = bytes(data)
+            if self._flushing is None:
+                self._flushing = self._loop.call_soon(self.flush)
+            return
+        held, self._held = self._held, b""
+        self._transport.write(held + data if held else data)
+
+    def writelines(self, list_of_data: Iterable[bytes | bytearray | memoryview]) -> None:
+        self.write(b"".join(list_of_data))
+
+    def flush(self) -> None:
+        """Send what is held, now."""
+        if self._flushing is not None:
+            self._flushing.cancel()
+            self._flushing = None
+        held, self._held = self._held, b""
+        if held and not self._transport.is_closing():
+            self._transport.write(held)
+
+    def discard(self) -> None:
+        """Drop what is held (the connection is gone)."""
+        self._held = b""
+        if self._flushing is not None:
+            self._flushing.cancel()
+            self._flushing = None
+
+    def close(self) -> None:
+        self.flush()
+        self._transport.close()
+
+    def abort(self) -> None:
+        self.discard()
+        self._transport.abort()
+
+    def write_eof(self) -> None:
+        self.flush()
+        self._transport.write_eof()
+
+    def can_write_eof(self) -> bool:
+        return self._transport.can_write_eof()
+
+    def is_closing(self) -> bool:
+        return self._transport.is_closing()
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return self._transport.get_extra_info(name, default)
+
+    def set_protocol(self, protocol: asyncio.BaseProtocol) -> None:
+        self._transport.set_protocol(protocol)
+
+    def get_protocol(self) -> asyncio.BaseProtocol:
+        return self._transport.get_protocol()
+
+    def is_reading(self) -> bool:
+        return self._transport.is_reading()
+
+    def pause_reading(self) -> None:
+        self._transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        self._transport.resume_reading()
+
+    def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
+        self._transport.set_write_buffer_limits(high, low)
+
+    def get_write_buffer_size(self) -> int:
+        return self._transport.get_write_buffer_size() + len(self._held)
+
+    def get_write_buffer_limits(self) -> tuple[int, int]:
+        return self._transport.get_write_buffer_limits()
 
 
 class _Framing:
