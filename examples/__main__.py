@@ -1,6 +1,6 @@
 """``python -m examples init``: every example's ``init`` in one process, as docker-compose.yml's
-``example-setup`` job runs it: the examples' own tables, and the RabbitMQ queue, NATS events stream, SQS queues and SNS topic
-they use (each ``init`` is idempotent). consumer-kit's own tables come from ``consumer-kit db upgrade``.
+``example-setup`` job runs it: the examples' own tables, and the RabbitMQ queues, NATS events stream, SQS queues and SNS
+topic they use (each ``init`` is idempotent). consumer-kit's own tables come from ``consumer-kit db upgrade``.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import sys
 from consumer_kit import ConfigurationError
 
 EXAMPLES = ("examples.rabbitmq_worker", "examples.sqs_worker", "examples.nats_worker", "examples.redis_worker",
-            "examples.starter", "examples.nightly_report")
+            "examples.starter", "examples.nightly_report", "examples.idempotent_api")
 """The examples whose ``init`` runs, in this order."""
 
 

@@ -39,6 +39,7 @@ from consumer_kit.testing.server import free_port
 from tests.conftest import TEST_HMAC_KEY, _admin
 from tests.integration.nats_env import NATS_URL
 from tests.integration.nats_env import connected as nats_connected
+from tests.integration.rabbit import delete_queues
 from tests.integration.redis_env import REDIS_URL
 from tests.metric_names import series_names
 
@@ -62,7 +63,7 @@ SECRETS = {"POSTGRES_PASSWORD": "unused-locally", "RABBITMQ_PASSWORD": "unused-l
 def test_every_part_is_a_service() -> None:
     assert set(SERVICES) == {"postgres", "rabbitmq", "nats", "redis", "sqs", "migrate", "example-setup",
                              "coordinator", "rabbitmq-worker", "sqs-worker", "nats-worker", "redis-worker",
-                             "webhook-receiver", "scheduler", "prometheus", "grafana"}
+                             "webhook-receiver", "label-api", "scheduler", "prometheus", "grafana"}
     for name, service in SERVICES.items():
         if name not in OURS:  # an upstream image, pinned
             image = service["image"]
@@ -83,11 +84,14 @@ def test_our_services_build_the_dockerfile_with_every_extra() -> None:
 
 
 def examples_run(name: str) -> list[str]:
-    """The example modules a service of ours runs: ``consumer-kit run examples.x:app``, or
-    ``python -m examples init`` (examples/__main__.py: every example's ``init``)."""
+    """The example modules a service of ours runs: ``consumer-kit run examples.x:app``, ``python -m
+    examples.x`` (an example that serves an API of its own, examples/idempotent_api.py), or ``python -m
+    examples init`` (examples/__main__.py: every example's ``init``)."""
     command = SERVICES[name]["command"]
     if command[0] == "consumer-kit":
         return [word.split(":")[0] for word in command if re.fullmatch(r"examples\.[a-z_]+:app", word)]
+    if command[:2] == ["python", "-m"] and re.fullmatch(r"examples\.[a-z_]+", command[2]):
+        return [command[2]]
     assert command == ["python", "-m", "examples", "init"], command
     listed = re.search(r"^EXAMPLES = \(([^)]*)\)", (ROOT / "examples/__main__.py").read_text(), re.MULTILINE)
     assert listed is not None
@@ -103,6 +107,11 @@ def test_each_command_is_a_consumer_kit_command_or_an_example_program(name: str)
     command = SERVICES[name]["command"]
     if command[0] == "consumer-kit":
         build_parser().parse_args(command[1:])  # exits (a failed test) on anything it does not know
+    elif command[2] != "examples":  # python -m examples.x --host ... --port ...: the options it knows
+        done = subprocess.run([sys.executable, *command[1:3], "--help"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=60)
+        assert done.returncode == 0, done.stderr
+        assert all(word in done.stdout for word in command[3:] if word.startswith("--")), (command, done.stdout)
     modules = examples_run(name)
     assert modules or command[1:3] in (["db", "upgrade"], ["coordinator", "serve"]), command
     for module in modules:
@@ -310,8 +319,8 @@ class Local:
             environment[variable] = value
         # Queue, topic, stream and subject names of the run's own, on servers other tests share; a short
         # SQS long poll, which a stopping SQS worker waits out.
-        environment.update(ORDERS_QUEUE=self.queue, ORDERS_TOPIC=self.queue, LOG_LEVEL="WARNING",
-                           SQS_WAIT_TIME_SECONDS="1", **self.streams())
+        environment.update(ORDERS_QUEUE=self.queue, ORDERS_TOPIC=self.queue, LABEL_EVENTS_QUEUE=f"{self.queue}.labels",
+                           LOG_LEVEL="WARNING", SQS_WAIT_TIME_SECONDS="1", **self.streams())
         base = {key: value for key, value in os.environ.items()
                 if not re.match(r"(IDEMPOTENCY_|COORDINATOR_|STARTER_|RABBITMQ_|NATS_|REDIS_|SQS_|DATABASE_URL$)", key)}
         return {**base, **environment}
@@ -323,7 +332,9 @@ class Local:
 
     async def cleanup(self) -> None:
         """Delete the JetStream streams (the orders one the source made, its dead-letter one, the events
-        one an init made) and the Redis streams the run left on the shared servers."""
+        one an init made), the Redis streams and the RabbitMQ queues (orders, events, labels) the run
+        left on the shared servers."""
+        await delete_queues(self.queue)
         async with nats_connected() as client:
             js = client.jetstream()
             for stream in (self.stream, f"{self.stream}_DEAD_LETTER", f"{self.stream}_EVENTS"):
@@ -414,6 +425,13 @@ def test_the_services_commands_run_against_the_local_services(local: Local) -> N
         assert (answer.status_code, answer.json()) == (200, {"outcome": "processed"})
         coordinator = httpx.get(f"http://127.0.0.1:{local.ports['coordinator']}/metrics", timeout=5).text
         assert 'caracal_idempotency_requests_total{outcome="created"} 1.0' in coordinator
+        # A label through the label API, sent twice under one key: booked once, the second answer replayed.
+        url = f"http://127.0.0.1:{local.ports['label-api']}/labels"
+        headers = {"Idempotency-Key": f'"compose-{secrets.token_hex(4)}"', "X-Tenant": "acme"}
+        label = {"order": "A-1001", "carrier": "ups", "weight_grams": 1200}
+        first, again = (httpx.post(url, json=label, headers=headers, timeout=10) for _ in range(2))
+        assert (first.status_code, again.status_code, again.headers["idempotency-replayed"]) == (201, 201, "true")
+        assert again.json() == first.json() and first.headers["location"] == f"/labels/{first.json()['label']}"
     finally:
         for process in processes.values():
             process.send_signal(signal.SIGTERM)
