@@ -30,6 +30,32 @@ PG_ADMIN_URL = os.environ.get("CK_TEST_PG_ADMIN_URL", "postgresql://postgres@127
 TEST_HMAC_KEY = "test-hmac-key-0123456789abcdef"
 
 # ---------------------------------------------------------------------------------------------------
+# The slow kinds of test run first (chaos runs of a minute or more, then the acceptance tests that start
+# processes, the docs pages, the integration tests), so that ``make test``'s workers (xdist's worksteal
+# schedule: an idle worker takes over the pending tests of a busy one) are not left waiting on one long
+# test at the end of the run. The order within a kind is kept.
+
+_SLOW_FIRST = ("tests/chaos/", "tests/acceptance/", "tests/docs/", "tests/integration/")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    def kind(item: pytest.Item) -> int:
+        return next((rank for rank, prefix in enumerate(_SLOW_FIRST) if item.nodeid.startswith(prefix)),
+                    len(_SLOW_FIRST))
+
+    items.sort(key=kind)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Delete the RabbitMQ queues the session's tests left for its end (tests.integration.rabbit)."""
+    import sys
+
+    rabbit = sys.modules.get("tests.integration.rabbit")
+    if rabbit is not None:
+        rabbit.delete_left_queues()
+
+
+# ---------------------------------------------------------------------------------------------------
 # Raw keys must never be logged or used as metric labels: every key the suite builds is remembered,
 # every log record is captured, and after each test both are checked.
 

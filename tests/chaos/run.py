@@ -117,8 +117,8 @@ async def _done(db: asyncpg.Connection, at_least: float, *, of: int, patience: f
 
 
 async def _broker_fault(url: str, broker: Transport) -> int:
-    """The transport's broker fault (a cut, or a server restart); the effects committed by then, counted on a connection of its own (the database may be down
-    for a moment)."""
+    """The transport's broker fault (a cut, or a server restart); the effects committed by then, counted
+    on a connection of its own (the database may be down for a moment)."""
     await broker.fault()
     for attempt in range(20):
         try:
@@ -151,7 +151,7 @@ async def _faults(db: asyncpg.Connection, url: str, worker: Worker, broker: Tran
     recovered = False
     for number in range(1, kills + 1):
         await _done(db, max(step * (number + rng.uniform(-0.3, 0.3)), restarted_at + step / 5), of=messages)
-        worker.kill()
+        await asyncio.to_thread(worker.kill)
         restarted_at = await _done(db, 0, of=messages)
         worker.start()
         if number == cut_after:  # awaited: the next kill must not come while the broker is down
@@ -215,7 +215,8 @@ async def run(path: str, messages: int, kills: int, *, settle_seconds: float = 9
                                                                   kills)
         await _settle(db, broker, settle_seconds)
         ended_before = worker.process is not None and worker.process.poll() is not None
-        exit_code = worker.stop()
+        # In a thread: the loop must go on serving the run's broker proxy while the worker closes its connection.
+        exit_code = await asyncio.to_thread(worker.stop)
         if exit_code != 0:  # the log is gone with the run's temporary directory: say its end here
             tail = "\n".join(log.read_text(errors="replace").splitlines()[-40:])
             raise AssertionError(f"the worker {'had ended before the stop' if ended_before else 'did not stop cleanly'}"

@@ -15,8 +15,8 @@ pytestmark = [pytest.mark.postgres]
 # Enough messages that every fault lands while work remains (each is placed at a share of the messages,
 # and asserted to have come before the last): the batch path consumes several times faster than the
 # others. The full size is the command's.
-MESSAGES = {"batch": 16_000}
-SMALL = 3000
+MESSAGES = {"batch": 10_000}
+SMALL = 2000
 
 
 @pytest.mark.rabbitmq

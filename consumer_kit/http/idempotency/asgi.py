@@ -94,7 +94,7 @@ class IdempotencyKey(KeyRules):
         try:
             body = await request.body()
         except ClientDisconnect:
-            exchange.reply = exchange.reply or self._counted(refusal(400, "client_disconnected",
+            exchange.reply = exchange.reply or self.counted(refusal(400, "client_disconnected",
                                                                      outcome="key_missing"))
             raise HTTPException(400) from None
         begun = await self.begin(await self.facts(request, body))
@@ -107,7 +107,8 @@ class IdempotencyKey(KeyRules):
         exchange.began(begun)
         return begun.context
 
-    def _counted(self, reply: Reply) -> Reply:
+    def counted(self, reply: Reply) -> Reply:
+        """``reply``, counted as its outcome."""
         self.count(reply.outcome)
         return reply
 
@@ -121,16 +122,19 @@ class IdempotencyKey(KeyRules):
             try:
                 body = await read_body(request, self.body_limit)
             except RequestRejected as exc:
-                return response(self._counted(refusal(exc.status, exc.code, outcome="too_large")))
+                return response(self.counted(refusal(exc.status, exc.code, outcome="too_large")))
             begun = await self.begin(await self.facts(request, body))
             if isinstance(begun, Reply):
                 return response(begun)
+            # The body is read already: the function gets a request that hands it over again, so that
+            # it can read it as any Starlette endpoint does (``await request.json()``).
+            again = Request(request.scope, _replaying(body, request.receive))
             if begun is PASS:
-                return await func(request, None)
+                return await func(again, None)
             assert isinstance(begun, Operation)
             try:
                 async with asyncio.timeout(self.timeout_seconds) as timer:
-                    answer = await func(request, begun.context)
+                    answer = await func(again, begun.context)
             except TimeoutError:
                 if not timer.expired():
                     await begun.abort(None)
@@ -242,7 +246,7 @@ class IdempotencyMiddleware:
         if keys is not None and self._covers(scope):
             body = await _read(receive, keys.body_limit)
             if body is None:
-                await send_reply(send, keys._counted(refusal(413, "payload_too_large", outcome="too_large")))
+                await send_reply(send, keys.counted(refusal(413, "payload_too_large", outcome="too_large")))
                 return
             begun = await keys.begin(await keys.facts(Request(scope), body))
             if isinstance(begun, Reply):
@@ -259,10 +263,10 @@ class IdempotencyMiddleware:
         capture = _Capture(exchange, send)
         timer = asyncio.timeout(None)
         exchange.timer = timer
-        if exchange.operation is not None:
-            exchange.began(exchange.operation)
         try:
             async with timer:
+                if exchange.operation is not None:  # claimed for the prefix: its time limit starts now
+                    exchange.began(exchange.operation)
                 await self.app(scope, receive, capture)
         except TimeoutError:
             operation = exchange.operation

@@ -151,6 +151,10 @@ class KeyRules:
         """How long the route may run once it holds the key."""
         return self._timeout if self._timeout is not None else self.app.settings.inbox_lease_seconds
 
+    def timed(self, seconds: float) -> None:
+        """Observe one run's time from claim to stored response."""
+        self._seconds.observe(seconds)
+
     def count(self, outcome: str) -> None:
         """Count one request's ``outcome`` (see ``consumer_kit_http_idempotent_requests_total``)."""
         self._counts[outcome].inc()
@@ -263,6 +267,10 @@ def replay(result: dict[str, Any]) -> Reply:
     return Reply(int(result["status"]), (*headers, REPLAYED), base64.b64decode(result.get("body", "")), "replayed")
 
 
+_GIVEN_BACK_STATUS = {"timed_out": 503, "lease_lost": 409}
+"""The answer to a request whose key was given back, by outcome (others: 500), for its span."""
+
+
 class _Abandoned(Exception):
     """Handed to the transaction's exit to roll it back when the route failed without an exception of
     its own (a 5xx it returned, a response too big to keep)."""
@@ -313,7 +321,7 @@ class Operation:
         A 5xx is not stored (the key is released for a retry), nor is a reply over the response limit."""
         keys = self.keys
         if reply.status >= 500:
-            await self._give_back(None, "failed")
+            await self._give_back(None, "failed", status=reply.status)
             return reply
         limit = keys.response_limit or keys.app.settings.idempotent_response_limit_bytes
         if len(reply.body) > limit:
@@ -342,7 +350,7 @@ class Operation:
         self._ended = True
         await self._connection.aclose()
         keys.count("processed")
-        keys._seconds.observe(asyncio.get_running_loop().time() - self._started)
+        keys.timed(asyncio.get_running_loop().time() - self._started)
         self._end_span(reply.status, "processed")
         return reply
 
@@ -352,15 +360,17 @@ class Operation:
         if not self._ended:
             await self._give_back(exc, outcome)
 
-    async def _give_back(self, exc: BaseException | None, outcome: str, *, release: bool = True) -> None:
+    async def _give_back(self, exc: BaseException | None, outcome: str, *, release: bool = True,
+                         status: int | None = None) -> None:
         """Roll back, release the lease (on this connection, or one aside when it was lost), close:
-        shielded, so that a second cancellation cannot leave the key held until its lease runs out."""
+        shielded, so that a second cancellation cannot leave the key held until its lease runs out.
+        ``status``: what the client is answered (the span says it), by default the outcome's."""
         if self._ended:
             return
         self._ended = True
         await asyncio.shield(self._roll_back(exc, release))
         self.keys.count(outcome)
-        self._end_span(500 if outcome != "lease_lost" else 409, outcome, exc)
+        self._end_span(status or _GIVEN_BACK_STATUS.get(outcome, 500), outcome, exc)
 
     async def _roll_back(self, exc: BaseException | None, release: bool) -> None:
         keys, ex = self.keys, self.ex
