@@ -12,7 +12,7 @@ import subprocess
 import aio_pika
 
 from tests.chaos.transport import Transport
-from tests.integration.rabbit import TcpProxy
+from tests.integration.rabbit import TcpProxy, queue_names
 
 AMQP_URL = "amqp://guest:guest@127.0.0.1:5672/"
 DOWN_SECONDS = 1.0  # how long the cut broker refuses new connections
@@ -83,11 +83,7 @@ class RabbitTransport(Transport):
 
     async def remove(self) -> None:
         await self.proxy.stop()
-        command = ["rabbitmqctl", "list_queues", "name", "-q", "--no-table-headers"]
-        listing = await asyncio.to_thread(subprocess.run, command, capture_output=True, text=True, timeout=60,
-                                          check=True)
-        names = [n.strip() for n in listing.stdout.splitlines()
-                 if n.strip() == self.queue or n.strip().startswith(self.queue + ".")]
+        names = [n for n in await asyncio.to_thread(queue_names) if n == self.queue or n.startswith(self.queue + ".")]
         connection = await aio_pika.connect(AMQP_URL)
         async with connection:
             for name in names:
