@@ -52,7 +52,7 @@ IDEMPOTENT_REQUESTS = Counter(
     "consumer_kit_http_idempotent_requests_total",
     "Requests to idempotent endpoints (an Idempotency-Key route), by endpoint name and outcome: processed,"
     " replayed, in_progress, key_reused, key_missing, key_malformed, key_repeated, key_expired, failed,"
-    " too_large, timed_out, lease_lost, unavailable.",
+    " too_large, timed_out, lease_lost, invalid_request, unavailable.",
     ["endpoint", "outcome"],
 )
 IDEMPOTENT_SECONDS = Histogram(
@@ -61,7 +61,7 @@ IDEMPOTENT_SECONDS = Histogram(
 )
 IDEMPOTENT_OUTCOMES = ("processed", "replayed", "in_progress", "key_reused", "key_missing", "key_malformed",
                        "key_repeated", "key_expired", "failed", "too_large", "timed_out", "lease_lost",
-                       "unavailable")
+                       "invalid_request", "unavailable")
 HTTP_CUT_OFF = Counter(
     "consumer_kit_http_cut_off_total",
     "HTTP connections our servers closed for a request head over HTTP_MAX_HEADER_BYTES or a request not "

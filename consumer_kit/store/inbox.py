@@ -228,6 +228,12 @@ class Inbox:
             "consumer": consumer, "key_digest": digest, "lease_token": token, "now": self.clock(),
             "last_error": error[:500] if error else None}) == 1
 
+    async def withdraw(self, ex: Executor, consumer: str, digest: str, token: str) -> bool:
+        """Delete the row of a claim we hold whose request turned out invalid before anything ran, so
+        that the key is new again (a claim given back with :meth:`release` keeps its fingerprint)."""
+        return await ex.execute(sql.WITHDRAW, {"consumer": consumer, "key_digest": digest,
+                                               "lease_token": token}) == 1
+
     async def mark_dead(self, ex: Executor, consumer: str, digest: str, token: str | None, *,
                         reason: str) -> bool:
         """Park the key: later deliveries of it are acknowledged without running the handler."""

@@ -200,6 +200,12 @@ _COMPLETE = (
 COMPLETE = Statement(_COMPLETE)
 # The same, storing what a repeat is answered with (an idempotent HTTP endpoint's response).
 COMPLETE_WITH_RESULT = Statement(_COMPLETE.replace("outcome = :outcome,", "outcome = :outcome, result = :result,"))
+# An attempt whose request failed validation before its route ran takes its claim back (the seed's "fails
+# validation: delete"): the corrected request, which has another fingerprint, is then a new one.
+WITHDRAW = Statement(
+    "DELETE FROM inbox WHERE consumer = :consumer AND key_digest = :key_digest AND state = 'started'"
+    " AND lease_token = :lease_token"
+)
 RENEW = Statement(
     "UPDATE inbox SET locked_until = :locked_until, updated_at = :now"
     " WHERE consumer = :consumer AND key_digest = :key_digest AND state = 'started'"

@@ -314,6 +314,23 @@ async def test_the_first_request_runs_once_and_every_repeat_gets_its_response(cl
     assert status["created_at"] < status["expires_at"]
 
 
+async def test_a_request_fastapi_finds_invalid_keeps_no_record_and_its_correction_runs(client: Client) -> None:
+    """FastAPI's own 422 (a body that does not validate) comes after the key was claimed: the claim is
+    withdrawn, not the 422 stored, so the corrected request under the same key runs."""
+    key, ticket = client.key(), client.ticket()
+    before = await client.metrics()
+    invalid = await client.post("/labels", key, {"sleep": "not a number"})  # no ticket, a bad sleep
+    assert invalid.status_code == 422 and "detail" in invalid.json() and not replayed(invalid)
+    assert (await client.status("/labels", key)).status_code == 404  # no record of it
+    corrected = await client.post("/labels", key, {"ticket": ticket})
+    again = await client.post("/labels", key, {"ticket": ticket})
+    assert (corrected.status_code, replayed(corrected)) == (201, False)
+    assert (again.status_code, replayed(again), again.content) == (201, True, corrected.content)
+    assert client.effects(ticket) == [("labels", None, 1)]
+    assert outcomes(before, await client.metrics(), "labels") == {"invalid_request": 1, "processed": 1,
+                                                                  "replayed": 1}
+
+
 async def test_the_same_key_on_another_request_is_a_422(client: Client) -> None:
     key, ticket = client.key(), client.ticket()
     first = await client.post("/labels", key, {"ticket": ticket}, params="?a=1&b=2")

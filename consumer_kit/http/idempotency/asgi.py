@@ -22,7 +22,7 @@ import asyncio
 import functools
 import inspect
 import math
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 from starlette.exceptions import HTTPException
@@ -78,12 +78,24 @@ class IdempotencyKey(KeyRules):
         return RequestFacts(scope["method"], scope["path"], scope.get("query_string", b""), scope["headers"], body,
                             caller)
 
-    async def __call__(self, request: Request) -> IdempotentContext | None:
+    async def __call__(self, request: Request) -> AsyncIterator[IdempotentContext | None]:
         """The FastAPI dependency: claim the request's key and give the route its context (``None``
         for a request without a key when the endpoint does not require one). A request answered
         without running the route raises an ``HTTPException`` that stops it; the middleware sends the
-        real answer."""
+        real answer. It yields (a dependency with ``yield``) to hear of a request that FastAPI found
+        invalid after the key was claimed (its ``RequestValidationError`` is thrown in here): that
+        request's claim is withdrawn rather than its 422 stored, as a request that fails validation
+        leaves no record, and the corrected request may come under the same key."""
         exchange = request.scope.get(SCOPE_KEY)
+        context = await self._claim(request, exchange)
+        try:
+            yield context
+        except Exception as exc:
+            if isinstance(exchange, _Exchange) and _invalid_request(exc):
+                exchange.invalid = True
+            raise
+
+    async def _claim(self, request: Request, exchange: object) -> IdempotentContext | None:
         if not isinstance(exchange, _Exchange):
             raise RuntimeError("an IdempotencyKey dependency needs IdempotencyMiddleware on the app "
                                "(app.add_middleware(IdempotencyMiddleware)): it is what stores the response")
@@ -189,6 +201,16 @@ class IdempotencyKey(KeyRules):
         return JSONResponse(answer)
 
 
+def _invalid_request(exc: Exception) -> bool:
+    """Whether ``exc`` is FastAPI's refusal of a request that does not validate (FastAPI is imported
+    only when it is installed: it is what raised it then)."""
+    try:
+        from fastapi.exceptions import RequestValidationError
+    except ImportError:
+        return False
+    return isinstance(exc, RequestValidationError)
+
+
 def idempotency_context(request: Request) -> IdempotentContext:
     """The context of a request whose key :class:`IdempotencyMiddleware` claimed for a prefix (usable as
     a FastAPI dependency: ``ctx: IdempotentContext = Depends(idempotency_context)``)."""
@@ -203,12 +225,13 @@ class _Exchange:
     """One request through the middleware: the operation begun for it (by the middleware, or by a
     route's dependency), or the reply to send instead of the app's."""
 
-    __slots__ = ("operation", "reply", "timer")
+    __slots__ = ("invalid", "operation", "reply", "timer")
 
     def __init__(self) -> None:
         self.operation: Operation | None = None
         self.reply: Reply | None = None
         self.timer: asyncio.Timeout | None = None
+        self.invalid = False  # the framework refused the request (validation) after its key was claimed
 
     def began(self, operation: Operation) -> None:
         """``operation`` holds the request's key: the route's time limit starts now."""
@@ -291,6 +314,10 @@ class IdempotencyMiddleware:
         if capture.status is None:
             await operation.abort(None)
             raise RuntimeError("the idempotent route sent no response")
+        if exchange.invalid:  # the framework's own 422: not the route's answer, and not kept
+            await operation.withdraw()
+            await send_reply(send, capture.reply())
+            return
         await send_reply(send, await operation.finish(capture.reply()))
 
 

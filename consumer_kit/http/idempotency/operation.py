@@ -267,7 +267,7 @@ def replay(result: dict[str, Any]) -> Reply:
     return Reply(int(result["status"]), (*headers, REPLAYED), base64.b64decode(result.get("body", "")), "replayed")
 
 
-_GIVEN_BACK_STATUS = {"timed_out": 503, "lease_lost": 409}
+_GIVEN_BACK_STATUS = {"timed_out": 503, "lease_lost": 409, "invalid_request": 422}
 """The answer to a request whose key was given back, by outcome (others: 500), for its span."""
 
 
@@ -354,6 +354,11 @@ class Operation:
         self._end_span(reply.status, "processed")
         return reply
 
+    async def withdraw(self) -> None:
+        """The request was refused as invalid before its route ran: roll back and delete the claim, so
+        that the key is new again (the corrected request has another fingerprint)."""
+        await self._give_back(None, "invalid_request", withdraw=True)
+
     async def abort(self, exc: BaseException | None = None, outcome: str = "failed") -> None:
         """Roll the route's writes back and give the key back (the route raised, timed out, or its
         request was cancelled); safe to call after :meth:`finish`, when it does nothing."""
@@ -361,18 +366,19 @@ class Operation:
             await self._give_back(exc, outcome)
 
     async def _give_back(self, exc: BaseException | None, outcome: str, *, release: bool = True,
-                         status: int | None = None) -> None:
+                         status: int | None = None, withdraw: bool = False) -> None:
         """Roll back, release the lease (on this connection, or one aside when it was lost), close:
         shielded, so that a second cancellation cannot leave the key held until its lease runs out.
-        ``status``: what the client is answered (the span says it), by default the outcome's."""
+        ``status``: what the client is answered (the span says it), by default the outcome's.
+        ``withdraw``: delete the claim instead of releasing it."""
         if self._ended:
             return
         self._ended = True
-        await asyncio.shield(self._roll_back(exc, release))
+        await asyncio.shield(self._roll_back(exc, release, withdraw))
         self.keys.count(outcome)
         self._end_span(status or _GIVEN_BACK_STATUS.get(outcome, 500), outcome, exc)
 
-    async def _roll_back(self, exc: BaseException | None, release: bool) -> None:
+    async def _roll_back(self, exc: BaseException | None, release: bool, withdraw: bool) -> None:
         keys, ex = self.keys, self.ex
         failure = exc if exc is not None else _Abandoned()
         try:
@@ -382,8 +388,11 @@ class Operation:
                 try:
                     database = keys.app.database
                     async with (database.aside(ex) if ex.discarded else contextlib.nullcontext(ex)) as on:
-                        await keys.app.inbox.release(on, keys.consumer, self.claim.digest, self.claim.lease_token,
-                                                     error=type(failure).__name__)
+                        if withdraw:
+                            await keys.app.inbox.withdraw(on, keys.consumer, self.claim.digest, self.claim.lease_token)
+                        else:
+                            await keys.app.inbox.release(on, keys.consumer, self.claim.digest,
+                                                         self.claim.lease_token, error=type(failure).__name__)
                 except Exception as gone:  # the lease then runs out by itself (INBOX_LEASE_SECONDS)
                     log.warning("giving an idempotency key back failed (%s) [%s %s]", type(gone).__name__,
                                 keys.name, self.digest)
