@@ -21,7 +21,7 @@ def wait_until_served(process: subprocess.Popen[str], url: str, *, seconds: floa
         except httpx.TransportError:
             pass
         if process.poll() is not None or time.monotonic() > deadline:
-            pytest.fail(f"{url} was never served: {process.args}")
+            pytest.fail(f"{url} was never served: {process.args!r}")
         time.sleep(0.1)
 
 

@@ -16,7 +16,8 @@ from pathlib import Path
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "reference.md"
 MODULES = ("consumer_kit", "consumer_kit.testing", "consumer_kit.coordinator", "consumer_kit.outbox",
            "consumer_kit.sources.rabbitmq", "consumer_kit.sources.sqs", "consumer_kit.sources.webhooks",
-           "consumer_kit.sources.cloudevents", "consumer_kit.sources.schedules")
+           "consumer_kit.sources.cloudevents", "consumer_kit.sources.schedules", "consumer_kit.sources.nats",
+           "consumer_kit.sources.redis", "consumer_kit.http.idempotency")
 
 
 def _start(module: str) -> str:
