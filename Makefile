@@ -45,7 +45,7 @@ demo: $(RUN_STAMP)
 	$(VENV)/bin/consumer-kit demo
 
 test: $(STAMP)
-	$(PY) -m pytest -q -n 3
+	$(PY) -m pytest -q -n 3 --dist worksteal
 
 bench: $(STAMP)
 	$(PY) -m bench

@@ -101,7 +101,8 @@ async def test_enqueue_outside_a_handler_follows_the_callers_transaction(setting
 
 
 async def test_relay_publishes_backs_off_and_recovers(settings: Settings) -> None:
-    app = ConsumerApp(settings)
+    # A row's backoff long enough (1 s) that a busy host still asks again before it is due.
+    app = ConsumerApp(settings.model_copy(update={"outbox_backoff_seconds": 0.5, "outbox_backoff_max_seconds": 1.0}))
     publisher = RecordingPublisher()
     async with app.running():
         async with app.engine.begin() as conn:
@@ -117,7 +118,7 @@ async def test_relay_publishes_backs_off_and_recovers(settings: Settings) -> Non
         publisher.down = False
         stop = asyncio.Event()
         task = asyncio.create_task(relay.run(stop))
-        for _ in range(100):
+        for _ in range(500):
             if len(publisher.sent) == 5:
                 break
             await asyncio.sleep(0.02)
