@@ -4,6 +4,7 @@ that no raw idempotency key reaches a log record, a metric sample or a span anyw
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import re
@@ -215,13 +216,13 @@ def run_in_thread(coro: Coroutine[Any, Any, None]) -> None:
         pool.submit(asyncio.run, coro).result()
 
 
-@pytest.fixture(scope="session")
-def pg_url() -> Iterator[str]:
-    """A PostgreSQL database created for this test run, migrated to head, dropped afterwards."""
-    name = f"ck_test_{secrets.token_hex(4)}"
+@contextlib.contextmanager
+def migrated_database(prefix: str) -> Iterator[str]:
+    """A PostgreSQL database of its own (``<prefix>_<random>``), migrated to head, dropped on leaving;
+    its asyncpg URL."""
+    name = f"{prefix}_{secrets.token_hex(4)}"
     run_in_thread(_admin(f'CREATE DATABASE "{name}"'))
-    url = PG_ADMIN_URL.rsplit("/", 1)[0] + f"/{name}"
-    url = url.replace("postgresql://", "postgresql+asyncpg://")
+    url = (PG_ADMIN_URL.rsplit("/", 1)[0] + f"/{name}").replace("postgresql://", "postgresql+asyncpg://")
 
     async def migrate() -> None:
         engine = create_engine(url)
@@ -230,9 +231,18 @@ def pg_url() -> Iterator[str]:
         finally:
             await engine.dispose()
 
-    run_in_thread(migrate())
-    yield url
-    run_in_thread(_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    try:
+        run_in_thread(migrate())
+        yield url
+    finally:
+        run_in_thread(_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+
+
+@pytest.fixture(scope="session")
+def pg_url() -> Iterator[str]:
+    """A PostgreSQL database created for this test run, migrated to head, dropped afterwards."""
+    with migrated_database("ck_test") as url:
+        yield url
 
 
 async def truncate_all(url: str) -> None:

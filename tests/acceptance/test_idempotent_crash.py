@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import secrets
 import signal
 import subprocess
 import sys
@@ -28,9 +27,8 @@ import pytest
 from httpx_retries import Retry, RetryTransport
 from prometheus_client.parser import text_string_to_metric_families
 
-from consumer_kit.store import create_engine, upgrade
 from consumer_kit.testing.server import free_port
-from tests.conftest import PG_ADMIN_URL, TEST_HMAC_KEY, _admin, run_in_thread
+from tests.conftest import TEST_HMAC_KEY, migrated_database
 from tests.processes import wait_until_served
 
 pytestmark = pytest.mark.postgres
@@ -98,22 +96,8 @@ class Workers:
 @pytest.fixture(scope="module")
 def database_url() -> Iterator[str]:
     """A PostgreSQL database of this module's own (a unique name), migrated to head."""
-    name = f"ck_idem_crash_{secrets.token_hex(4)}"
-    run_in_thread(_admin(f'CREATE DATABASE "{name}"'))
-    url = (PG_ADMIN_URL.rsplit("/", 1)[0] + f"/{name}").replace("postgresql://", "postgresql+asyncpg://")
-
-    async def migrate() -> None:
-        engine = create_engine(url)
-        try:
-            await upgrade(engine)
-        finally:
-            await engine.dispose()
-
-    try:
-        run_in_thread(migrate())
+    with migrated_database("ck_idem_crash") as url:
         yield url
-    finally:
-        run_in_thread(_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
 
 
 @pytest.fixture(scope="module")

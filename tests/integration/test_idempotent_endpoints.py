@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import secrets
 import sqlite3
 import threading
 import time
@@ -29,9 +28,8 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.trace import SpanKind
 from prometheus_client.parser import text_string_to_metric_families
 
-from consumer_kit.store import create_engine, upgrade
 from consumer_kit.testing.server import served_asgi
-from tests.conftest import PG_ADMIN_URL, Spans, _admin, make_settings, run_in_thread, span_texts
+from tests.conftest import Spans, make_settings, migrated_database, span_texts
 from tests.integration.idempotent_app import build
 
 RESPONSE_LIMIT = 4096
@@ -118,22 +116,8 @@ def database(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
     if request.param == "sqlite":
         yield Database(f"sqlite+aiosqlite:///{tmp_path_factory.mktemp('idem')}/idem.db")
         return
-    name = f"ck_idem_{secrets.token_hex(4)}"
-    run_in_thread(_admin(f'CREATE DATABASE "{name}"'))
-    url = (PG_ADMIN_URL.rsplit("/", 1)[0] + f"/{name}").replace("postgresql://", "postgresql+asyncpg://")
-
-    async def migrate() -> None:
-        engine = create_engine(url)
-        try:
-            await upgrade(engine)
-        finally:
-            await engine.dispose()
-
-    try:
-        run_in_thread(migrate())
+    with migrated_database("ck_idem") as url:
         yield Database(url)
-    finally:
-        run_in_thread(_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
 
 
 def app_settings(database: Database) -> Any:
