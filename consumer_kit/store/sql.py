@@ -190,32 +190,22 @@ FINISH_STARTED = Statement(
 # update that changes no indexed column can be a heap-only tuple update on PostgreSQL, which writes no
 # index entries (ix_inbox_expires_at is the only index besides the key). Retention then counts from
 # at most one lease before the completion.
+_OURS = " WHERE consumer = :consumer AND key_digest = :key_digest AND state = 'started' AND lease_token = :lease_token"
+"""The row of a key whose lease this attempt holds."""
 _COMPLETE = (
     "UPDATE inbox SET state = 'completed', locked_until = NULL, lease_token = NULL, outcome = :outcome,"
     " last_error = NULL, updated_at = :now,"
-    " expires_at = CASE WHEN expires_at >= :keep_from THEN expires_at ELSE :expires_at END"
-    " WHERE consumer = :consumer AND key_digest = :key_digest AND state = 'started'"
-    " AND lease_token = :lease_token"
+    " expires_at = CASE WHEN expires_at >= :keep_from THEN expires_at ELSE :expires_at END" + _OURS
 )
 COMPLETE = Statement(_COMPLETE)
 # The same, storing what a repeat is answered with (an idempotent HTTP endpoint's response).
 COMPLETE_WITH_RESULT = Statement(_COMPLETE.replace("outcome = :outcome,", "outcome = :outcome, result = :result,"))
 # An attempt whose request failed validation before its route ran takes its claim back (the seed's "fails
 # validation: delete"): the corrected request, which has another fingerprint, is then a new one.
-WITHDRAW = Statement(
-    "DELETE FROM inbox WHERE consumer = :consumer AND key_digest = :key_digest AND state = 'started'"
-    " AND lease_token = :lease_token"
-)
-RENEW = Statement(
-    "UPDATE inbox SET locked_until = :locked_until, updated_at = :now"
-    " WHERE consumer = :consumer AND key_digest = :key_digest AND state = 'started'"
-    " AND lease_token = :lease_token"
-)
+WITHDRAW = Statement("DELETE FROM inbox" + _OURS)
+RENEW = Statement("UPDATE inbox SET locked_until = :locked_until, updated_at = :now" + _OURS)
 RELEASE = Statement(
-    "UPDATE inbox SET locked_until = NULL, lease_token = NULL, updated_at = :now, last_error = :last_error"
-    " WHERE consumer = :consumer AND key_digest = :key_digest AND state = 'started'"
-    " AND lease_token = :lease_token"
-)
+    "UPDATE inbox SET locked_until = NULL, lease_token = NULL, updated_at = :now, last_error = :last_error" + _OURS)
 _MARK_DEAD = (
     "UPDATE inbox SET state = 'dead', locked_until = NULL, lease_token = NULL, outcome = :outcome,"
     " updated_at = :now, expires_at = :expires_at"
