@@ -18,6 +18,7 @@ BENCHMARKS = {
     "redis": "bench.redis",
     "otel": "bench.otel",
     "cli": "bench.cli",
+    "http": "bench.http",
 }
 
 

@@ -1,0 +1,214 @@
+"""The servers of the idempotent-HTTP benchmark (``python -m bench http``), as uvicorn factories
+configured by the environment (``BENCH_PLAIN_URL``, ``BENCH_DATABASE_URL``, ``BENCH_HMAC_KEY``,
+``BENCH_POOL``, ``BENCH_TABLE``, ``BENCH_KIT_VIA``, ``BENCH_KIT_STYLE``). Each serves the same FastAPI
+endpoint, ``POST /orders`` with a JSON ``{"sku", "quantity"}``: insert one row into its table
+(``BENCH_TABLE``, one a side, so that each side's rows can be counted) and answer 201 with it.
+
+- ``floor``: no database at all (the cost of the HTTP stack alone).
+- ``ceiling``: no idempotency at all; the row is inserted on the asyncpg pool and the dict returned.
+- ``handwritten``: the Idempotency-Key rules as a careful user writes them on asyncpg, "atomic phases"
+  in one transaction per request: take a transaction-scoped advisory lock on the key (not granted: the
+  key is in flight, 409), look the key up (another request's hash: 422; stored: replay it), else insert
+  the row and store the key with the response; commit. A request that fails rolls all of it back, so
+  a retry runs again; two requests with one key never both run (the lock), and one that comes after
+  the commit sees the stored row (PostgreSQL releases the lock only once the commit is visible).
+- ``kit``: consumer-kit's ``IdempotencyKey`` dependency and ``IdempotencyMiddleware``; the route writes
+  through ``ctx.connection`` (the asyncpg connection inside the transaction that stores the response,
+  the fastest way in) or, with ``BENCH_KIT_VIA=db``, through ``ctx.db`` (SQLAlchemy). With
+  ``BENCH_KIT_STYLE=prefix`` the middleware claims the key for the path itself (``keys=``, ``prefix=``)
+  and the route reads its context with ``idempotency_context``: a replay is then answered before
+  FastAPI routes the request.
+"""
+
+# No ``from __future__ import annotations``: FastAPI reads the routes' annotations at run time, and
+# ``Annotated[..., Depends(keys)]`` names a local.
+import contextlib
+import hashlib
+import os
+from collections.abc import AsyncIterator
+from typing import Annotated, Any
+
+import asyncpg
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
+from sqlalchemy import BigInteger, Column, Integer, MetaData, Table, Text
+
+from consumer_kit import ConsumerApp, Settings
+from consumer_kit.http.asgi import lifespan
+from consumer_kit.http.idempotency import (
+    IdempotencyKey,
+    IdempotencyMiddleware,
+    IdempotentContext,
+    idempotency_context,
+)
+
+POOL = int(os.environ.get("BENCH_POOL", "32"))
+TABLE = os.environ.get("BENCH_TABLE", "bench_orders")
+INSERT = f"INSERT INTO {TABLE} (sku, quantity) VALUES ($1, $2) RETURNING id"
+KEYS_TABLE = "bench_idempotency_keys"
+
+
+def schema(tables: list[str]) -> list[str]:
+    """The statements that make the sides' tables: one orders table each, and the hand-written peer's
+    keys, with what a replay needs and ``created_at`` (indexed) for its sweeper, as the inbox has
+    ``expires_at``."""
+    return [
+        *(f"CREATE TABLE {t} (id bigserial PRIMARY KEY, sku text NOT NULL, quantity integer NOT NULL)"
+          for t in tables),
+        f"CREATE TABLE {KEYS_TABLE} (key text PRIMARY KEY, request_hash bytea NOT NULL, status integer NOT NULL,"
+        " body bytea NOT NULL, created_at timestamptz NOT NULL DEFAULT now())",
+        f"CREATE INDEX ix_{KEYS_TABLE}_created_at ON {KEYS_TABLE} (created_at)",
+    ]
+
+
+orders = Table(
+    TABLE,
+    MetaData(),
+    Column("id", BigInteger, primary_key=True, autoincrement=True),
+    Column("sku", Text, nullable=False),
+    Column("quantity", Integer, nullable=False),
+)
+
+
+class Order(BaseModel):
+    sku: str
+    quantity: int
+
+
+async def _no_reset(_connection: asyncpg.Connection) -> None:
+    """Pool reset: none beyond asyncpg's own (a transaction left open is ended). These endpoints leave
+    no session state (the advisory lock is the transaction's), and asyncpg's default reset costs a
+    round trip at every release; consumer-kit's own pool skips it too, so the peers do."""
+
+
+@contextlib.asynccontextmanager
+async def _pool(holder: dict[str, asyncpg.Pool]) -> AsyncIterator[None]:
+    created = await asyncpg.create_pool(os.environ["BENCH_PLAIN_URL"], min_size=POOL, max_size=POOL,
+                                        reset=_no_reset)
+    assert created is not None
+    holder["db"] = created
+    try:
+        yield
+    finally:
+        await created.close()
+
+
+def floor() -> FastAPI:
+    """No database at all: the endpoint answers 201 with what it was sent, and an id it counts itself.
+    What uvicorn, FastAPI and the client cost a request by themselves (no side can answer faster)."""
+    api = FastAPI()
+    count = iter(range(1, 1 << 62))
+
+    @api.post("/orders", status_code=201)
+    async def create_order(order: Order) -> dict[str, Any]:
+        return {"id": next(count), "sku": order.sku, "quantity": order.quantity}
+
+    return api
+
+
+def ceiling() -> FastAPI:
+    """The endpoint without idempotency: insert, answer 201."""
+    pool: dict[str, asyncpg.Pool] = {}
+    api = FastAPI(lifespan=lambda _api: _pool(pool))
+
+    @api.post("/orders", status_code=201)
+    async def create_order(order: Order) -> dict[str, Any]:
+        order_id = await pool["db"].fetchval(INSERT, order.sku, order.quantity)
+        return {"id": order_id, "sku": order.sku, "quantity": order.quantity}
+
+    return api
+
+
+# The key's lock: transaction-scoped, so a commit or rollback (or a connection lost) releases it; a
+# 64-bit hash of the key, whose collisions (a spurious 409) are vanishingly rare.
+TRY_LOCK = "SELECT pg_try_advisory_xact_lock(hashtextextended($1, 0))"
+LOOKUP = f"SELECT request_hash, status, body FROM {KEYS_TABLE} WHERE key = $1"
+STORE = f"INSERT INTO {KEYS_TABLE} (key, request_hash, status, body) VALUES ($1, $2, $3, $4)"
+
+
+def _error(status: int, code: str, **headers: str) -> Response:
+    return JSONResponse({"error": code}, status_code=status, headers=headers or None)
+
+
+def _client_key(raw: str | None) -> str | None:
+    """The header's key: an sf-string (``"abc"``), printable ASCII, at most 255 characters."""
+    if raw is None or len(raw) < 3 or raw[0] != '"' or raw[-1] != '"':
+        return None
+    key = raw[1:-1]
+    if not key or len(key) > 255 or not key.isascii() or not key.isprintable() or '"' in key or "\\" in key:
+        return None
+    return key
+
+
+def handwritten() -> FastAPI:
+    """The peer: the Idempotency-Key rules in one transaction a request, on asyncpg directly."""
+    pool: dict[str, asyncpg.Pool] = {}
+    api = FastAPI(lifespan=lambda _api: _pool(pool))
+
+    @api.post("/orders", status_code=201)
+    async def create_order(order: Order, request: Request) -> Response:
+        raw = request.headers.getlist("idempotency-key")
+        if len(raw) != 1:
+            return _error(400, "idempotency_key_missing" if not raw else "idempotency_key_repeated")
+        key = _client_key(raw[0])
+        if key is None:
+            return _error(400, "idempotency_key_malformed")
+        # The same request: method, path, query and the body as the client sent it (FastAPI read it already).
+        scope = request.scope
+        request_hash = hashlib.sha256(b"\0".join((b"POST", scope["path"].encode(), scope["query_string"],
+                                                  await request.body()))).digest()
+        async with pool["db"].acquire() as conn, conn.transaction():
+            if not await conn.fetchval(TRY_LOCK, key):
+                return _error(409, "request_in_progress", **{"Retry-After": "1"})
+            stored = await conn.fetchrow(LOOKUP, key)
+            if stored is not None:
+                if stored["request_hash"] != request_hash:
+                    return _error(422, "idempotency_key_reused")
+                return Response(stored["body"], status_code=stored["status"], media_type="application/json",
+                                headers={"Idempotency-Replayed": "true"})
+            order_id = await conn.fetchval(INSERT, order.sku, order.quantity)
+            answer = JSONResponse({"id": order_id, "sku": order.sku, "quantity": order.quantity}, status_code=201)
+            await conn.execute(STORE, key, request_hash, answer.status_code, answer.body)
+        return answer
+
+    return api
+
+
+def kit() -> FastAPI:
+    """consumer-kit: the rules, the middleware, the row written in the transaction that stores the
+    response."""
+    settings = Settings(
+        database_url=os.environ["BENCH_DATABASE_URL"],
+        idempotency_hmac_key=os.environ["BENCH_HMAC_KEY"],
+        db_pool_size=POOL,
+    )
+    app = ConsumerApp(settings)
+    api = FastAPI(lifespan=lifespan(app))
+    keys = IdempotencyKey(app, namespace="orders", version=1)
+    if os.environ.get("BENCH_KIT_STYLE") == "prefix":
+        api.add_middleware(IdempotencyMiddleware, keys=keys, prefix="/orders", methods=("POST",))
+        context = Depends(idempotency_context)
+    else:
+        api.add_middleware(IdempotencyMiddleware)
+        context = Depends(keys)
+
+    if os.environ.get("BENCH_KIT_VIA", "connection") == "db":
+
+        @api.post("/orders", status_code=201)
+        async def create_order_db(order: Order, ctx: Annotated[IdempotentContext, context]) -> dict[str, Any]:
+            result = await ctx.db.execute(orders.insert().values(sku=order.sku, quantity=order.quantity)
+                                          .returning(orders.c.id))
+            return {"id": result.scalar_one(), "sku": order.sku, "quantity": order.quantity}
+
+    else:
+
+        @api.post("/orders", status_code=201)
+        async def create_order(order: Order, ctx: Annotated[IdempotentContext, context]) -> dict[str, Any]:
+            order_id = await ctx.connection.fetchval(INSERT, order.sku, order.quantity)
+            return {"id": order_id, "sku": order.sku, "quantity": order.quantity}
+
+    return api
+
+
+__all__ = ["INSERT", "ceiling", "floor", "handwritten", "kit", "schema"]
