@@ -162,8 +162,11 @@ def queue_names() -> list[str]:
                            timeout=30)
         listed.raise_for_status()
         return [queue["name"] for queue in listed.json()]
-    except httpx.ConnectError:
-        pass
+    except httpx.ConnectError:  # no management plugin on this broker: its command line below
+        return _queue_names_from_rabbitmqctl()
+
+
+def _queue_names_from_rabbitmqctl() -> list[str]:
     out = subprocess.run(["rabbitmqctl", "list_queues", "name", "-q"],
                          capture_output=True, text=True, timeout=30, check=True).stdout
     return [line.strip() for line in out.splitlines()[1:] if line.strip()]

@@ -13,7 +13,7 @@ from consumer_kit.http.server import _Coalescing
 
 
 class _Counting(asyncio.Protocol):
-    pass
+    """A protocol that does nothing with what it receives: the tests read the socket's other end."""
 
 
 async def _pair() -> tuple[asyncio.Transport, socket.socket, list[bytes]]:

@@ -1,0 +1,53 @@
+"""An idempotent request cancelled while its route awaits (a server shutting down cancels the requests
+it still holds): the route's writes roll back, the key is given back at once (a retry runs, no 409 until
+the lease runs out), and the connection goes back to the pool usable."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+from fastapi import Depends, FastAPI
+from sqlalchemy import text
+
+from consumer_kit import ConsumerApp
+from consumer_kit.http.idempotency import IdempotencyKey, IdempotencyMiddleware, IdempotentContext
+from tests.conftest import make_settings
+
+
+async def test_a_request_cancelled_inside_its_route_rolls_back_and_gives_its_key_back(database_url: str) -> None:
+    app = ConsumerApp(make_settings(database_url, inbox_lease_seconds=60))
+    api = FastAPI()
+    api.add_middleware(IdempotencyMiddleware)
+    keys = IdempotencyKey(app, namespace="cancel", version=1)
+    inside, hold = asyncio.Event(), asyncio.Event()
+
+    @api.post("/things", status_code=201)
+    async def create(ctx: IdempotentContext = Depends(keys)) -> dict[str, int]:  # noqa: B008
+        await ctx.db.execute(text("INSERT INTO cancel_effects (n) VALUES (1)"))
+        inside.set()
+        await hold.wait()  # cancelled here on the first attempt
+        return {"n": 1}
+
+    async with app.running():
+        async with app.engine.begin() as conn:
+            await conn.execute(text("CREATE TABLE IF NOT EXISTS cancel_effects (n INTEGER)"))
+            await conn.execute(text("DELETE FROM cancel_effects"))
+        headers = {"Idempotency-Key": '"cancel-me"'}
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=api), base_url="http://t") as client:
+            first = asyncio.create_task(client.post("/things", headers=headers))
+            await asyncio.wait_for(inside.wait(), 10)
+            first.cancel()
+            done, _ = await asyncio.wait([first], timeout=10)
+            assert done and first.cancelled()
+            async with app.engine.connect() as conn:
+                assert (await conn.execute(text("SELECT count(*) FROM cancel_effects"))).scalar() == 0
+            hold.set()
+            retry = await client.post("/things", headers=headers)  # at once: not 409 for the 60 s lease
+            again = await client.post("/things", headers=headers)
+        assert retry.status_code == 201 and retry.headers.get("idempotency-replayed") is None
+        assert again.status_code == 201 and again.headers["idempotency-replayed"] == "true"
+        async with app.engine.connect() as conn:
+            assert (await conn.execute(text("SELECT count(*) FROM cancel_effects"))).scalar() == 1
+        pool = app.engine.pool
+        assert pool.checkedout() == 0, pool.status()  # every connection back, none held by the cancel
