@@ -9,6 +9,7 @@ import asyncio
 import httpx
 from fastapi import Depends, FastAPI
 from sqlalchemy import text
+from sqlalchemy.pool import QueuePool
 
 from consumer_kit import ConsumerApp
 from consumer_kit.http.idempotency import IdempotencyKey, IdempotencyMiddleware, IdempotentContext
@@ -50,4 +51,5 @@ async def test_a_request_cancelled_inside_its_route_rolls_back_and_gives_its_key
         async with app.engine.connect() as conn:
             assert (await conn.execute(text("SELECT count(*) FROM cancel_effects"))).scalar() == 1
         pool = app.engine.pool
+        assert isinstance(pool, QueuePool), type(pool)  # the async engines' default, on every driver
         assert pool.checkedout() == 0, pool.status()  # every connection back, none held by the cancel
