@@ -160,6 +160,26 @@ class Settings(BaseSettings):
         86_400, gt=0, description="How long published outbox rows are kept before the sweep."
     )
 
+    console_path: str | None = Field(
+        None, pattern=r"^/[A-Za-z0-9._~/-]*[A-Za-z0-9._~-]$",
+        description="Where `consumer-kit run --port` serves the operator's console (say /console); unset: no "
+        "console. It needs CONSOLE_TOKENS or CONSOLE_AUTH (the docs' Console page).")
+    console_tokens: SecretStr | None = Field(
+        None, description='JSON {"<token>": "<name>:<role>"}: who may sign in to the console, role viewer (read '
+        "only, no bodies) or operator (bodies, replay, discard); each token at least 16 characters.")
+    console_auth: str | None = Field(
+        None, pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$",
+        description="module:function, your own sign-in for the console instead of tokens: an async function of "
+        "the request that returns a consumer_kit.console.Principal, or None to refuse.")
+    console_session_seconds: int = Field(
+        28_800, gt=0, description="How long a console sign-in lasts (8 hours).")
+    console_page_size: int = Field(
+        50, gt=0, le=500, description="Rows on one page of the console (parked deliveries, leases, groups).")
+    console_replay_max: int = Field(
+        100, gt=0, le=10_000, description="Parked deliveries one replay or discard from the console takes at most.")
+    console_replay_rate: float = Field(
+        10.0, gt=0, description="Deliveries a second a replay from the console sends at most.")
+
     @field_validator("database_url")
     @classmethod
     def _async_driver(cls, value: str) -> str:

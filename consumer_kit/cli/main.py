@@ -1,5 +1,5 @@
 """The ``consumer-kit`` command's parser and entry point; each sub-command lives in a module of its own
-(:mod:`.serve`, :mod:`.db`, :mod:`.parked`, :mod:`.schedules`, :mod:`.demo`).
+(:mod:`.serve`, :mod:`.db`, :mod:`.parked`, :mod:`.console`, :mod:`.schedules`, :mod:`.demo`).
 
 The command answers ``--help`` without importing what its sub-commands run (SQLAlchemy, the store,
 the coordinator, uvicorn): each sub-command imports that when it runs. The modules of ``parked`` and
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from consumer_kit import logs
-from consumer_kit.cli import db, serve
+from consumer_kit.cli import console, db, serve
 from consumer_kit.cli.parsing import COMMON_VARIABLES, EVERY_SETTING, Parser, Version, existing_file, sentence
 from consumer_kit.cli.running import load_app
 from consumer_kit.errors import ConfigurationError
@@ -128,6 +128,7 @@ def build_parser(chosen: str | None = None, *, lazy: bool = False) -> argparse.A
     serve.add_commands(commands, command)
     db.add_commands(commands, command)
     add(lazy_parked)
+    console.add_commands(commands, command)
     recipe = command(commands, "demo", help="the retry-safety recipe on embedded defaults",
                      description="Show the retry-safety recipe end to end (replay, conflict, inactive, an effect "
                      "once, a delivery with no stable id parked) on a temporary SQLite database and the embedded "

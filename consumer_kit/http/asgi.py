@@ -6,7 +6,8 @@
 - ``GET /readyz``: 200 when the app takes work (``app.readiness()``: every source started and none
   saying it is not ready, the database answering with its schema at head); 503 with the reason
   otherwise;
-- ``GET /metrics``: the Prometheus exposition.
+- ``GET /metrics``: the Prometheus exposition;
+- the operator's console under ``CONSOLE_PATH``, when it is set (:mod:`consumer_kit.console`).
 
 Its lifespan starts and stops the ConsumerApp (``app.running()``) when another server runs it (say
 ``uvicorn module:app.asgi()``); ``consumer-kit run`` starts the app itself before it listens
@@ -30,12 +31,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
-from starlette.routing import Route
+from starlette.routing import BaseRoute, Mount, Route
 
 from consumer_kit import logs
 from consumer_kit.http import HttpSource
 
 if TYPE_CHECKING:
+    from consumer_kit.app import ConsumerApp
     from consumer_kit.settings import Settings
 
 log = logging.getLogger("consumer_kit.http.asgi")
@@ -94,7 +96,7 @@ def lifespan(app: ServedApp) -> Callable[[Any], contextlib.AbstractAsyncContextM
 
 def build(app: ServedApp) -> Starlette:
     """The ASGI application of ``app``: its HTTP sources, ``/healthz``, ``/readyz``, ``/metrics``."""
-    routes: list[Route] = []
+    routes: list[BaseRoute] = []
     for spec in app.specs:
         source = spec.source
         if isinstance(source, HttpSource):
@@ -122,6 +124,13 @@ def build(app: ServedApp) -> Starlette:
         Route("/readyz", readyz, methods=["GET"]),
         Route("/metrics", metrics_endpoint, methods=["GET"]),
     ]
+    if app.settings.console_path:
+        from typing import cast
+
+        from consumer_kit.console import Console  # Jinja2 and itsdangerous: the console extra, only when asked
+
+        console = Console(app.settings, app=cast("ConsumerApp", app))
+        routes.append(Mount(app.settings.console_path, app=console.asgi()))
     return Starlette(routes=routes, lifespan=lifespan(app))
 
 

@@ -117,7 +117,8 @@ dead_letters = Table(
     Column("traceback", Text, nullable=True),
     Index("ix_dead_letters_created_at", "created_at"),
     Index("ix_dead_letters_key_digest", "key_digest"),
-    Index("ix_dead_letters_reason", "reason"),
+    # A group's keyset pages, newest first (migration 0008; it serves lookups by reason too).
+    Index("ix_dead_letters_reason_source_created_at_id", "reason", "source", "created_at", "id"),
 )
 
 # Who replayed or discarded which parked delivery, and when (kept when the parked row is discarded).
