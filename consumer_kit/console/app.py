@@ -3,6 +3,8 @@ carries (no caching, no framing, a content security policy that runs only the co
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
@@ -27,7 +29,7 @@ HEADERS = [
     (b"content-security-policy", b"default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; "
      b"form-action 'self'; frame-ancestors 'none'; base-uri 'none'"),
     (b"x-content-type-options", b"nosniff"),
-    (b"referrer-policy", b"no-referrer"),
+    (b"referrer-policy", b"same-origin"),  # no-referrer would make a form's Origin "null"
     (b"x-frame-options", b"DENY"),
     (b"cache-control", b"no-store"),
 ]
@@ -39,12 +41,14 @@ class Console:
     :mod:`consumer_kit.console.security`); without it ``CONSOLE_TOKENS`` or ``CONSOLE_AUTH`` must be set."""
 
     def __init__(self, settings: Settings, *, app: ConsumerApp | None = None, database: Database | None = None,
-                 auth: Authenticate | None = None) -> None:
+                 auth: Authenticate | None = None, counts_from_start: bool = False) -> None:
         if app is None and database is None:
             raise ValueError("a console needs an app or a database")
         self.settings, self.app, self._database = settings, app, database
         self.gate = Gate(settings, auth=auth)
-        self.history = History(lambda: [spec.source.name for spec in app.specs] if app is not None else [])
+        # counts_from_start: made as the worker starts (its counts are all 0), so the first minute counts too.
+        self.history = History(lambda: [spec.source.name for spec in app.specs] if app is not None else [],
+                               from_zero=counts_from_start)
         self.templates = Environment(loader=PackageLoader("consumer_kit.console", "templates"),
                                      autoescape=select_autoescape(default=True, default_for_string=True),
                                      auto_reload=False)
@@ -76,6 +80,10 @@ class Console:
     def asgi(self) -> ASGIApp:
         """The console's ASGI app, to mount under a path (``Mount("/console", console.asgi())``)."""
         pages = Pages(self)
+        if self.app is not None:
+            with contextlib.suppress(RuntimeError):  # no loop running yet: it starts with the first request
+                asyncio.get_running_loop()
+                self.history.start()
 
         def guarded(endpoint: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
             async def run(request: Request) -> Response:

@@ -18,6 +18,7 @@ class Line:
     name: str
     segments: list[str]
     total: int
+    dots: list[tuple[str, str]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,16 +47,20 @@ def chart(first_minute: int, series: dict[str, list[int | None]]) -> Chart:
     for name, values in series.items():
         segments: list[str] = []
         points: list[str] = []
+        dots: list[tuple[str, str]] = []
         for i, value in enumerate(values):
             if value is None:
                 if points:
                     segments.append(" ".join(points))
                 points = []
                 continue
-            points.append(f"{LEFT + i * span_x:.1f},{HEIGHT - BOTTOM - value * span_y:.1f}")
+            x, y = f"{LEFT + i * span_x:.1f}", f"{HEIGHT - BOTTOM - value * span_y:.1f}"
+            points.append(f"{x},{y}")
+            if value:
+                dots.append((x, y))
         if points:
             segments.append(" ".join(points))
-        lines.append(Line(name, segments, sum(v for v in values if v is not None)))
+        lines.append(Line(name, segments, sum(v for v in values if v is not None), dots))
     return Chart(lines, top, _clock(first_minute), _clock(first_minute + minutes - 1))
 
 

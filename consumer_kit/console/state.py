@@ -64,6 +64,11 @@ class History:
     clock: Callable[[], float] = time.time
     samples: deque[tuple[int, dict[str, Counts]]] = field(default_factory=lambda: deque(maxlen=MINUTES + 1))
     task: asyncio.Task[None] | None = None
+    from_zero: bool = False
+
+    def __post_init__(self) -> None:
+        if self.from_zero:  # made as the process starts: every count was 0 the minute before
+            self.samples.append((int(self.clock() // 60) - 1, {}))
 
     def sample(self) -> None:
         """Take a sample now (it replaces an earlier one of the same minute)."""
@@ -93,7 +98,8 @@ class History:
         return first, series
 
     def start(self) -> None:
-        """Sample every :data:`SAMPLE_SECONDS` from now on, in the background (once)."""
+        """Sample every :data:`SAMPLE_SECONDS` from now on, in the background (once; it needs a running
+        loop)."""
         if self.task is None:
             self.sample()
             self.task = asyncio.get_running_loop().create_task(self._run(), name="consumer-kit-console-history")

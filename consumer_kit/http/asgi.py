@@ -129,7 +129,7 @@ def build(app: ServedApp) -> Starlette:
 
         from consumer_kit.console import Console  # Jinja2 and itsdangerous: the console extra, only when asked
 
-        console = Console(app.settings, app=cast("ConsumerApp", app))
+        console = Console(app.settings, app=cast("ConsumerApp", app), counts_from_start=True)
         routes.append(Mount(app.settings.console_path, app=console.asgi()))
     return Starlette(routes=routes, lifespan=lifespan(app))
 
