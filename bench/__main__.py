@@ -19,6 +19,7 @@ BENCHMARKS = {
     "otel": "bench.otel",
     "cli": "bench.cli",
     "http": "bench.http",
+    "console": "bench.console",
 }
 
 
