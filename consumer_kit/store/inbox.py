@@ -174,6 +174,47 @@ class Inbox:
         assert row is not None
         return verdict(row, fingerprint)
 
+    async def hold(self, ex: Executor, consumer: str, digests: Sequence[str], fingerprint: str) -> Claim:
+        """An idempotent endpoint's single-transaction claim, first in ``ex``'s transaction; it writes nothing
+        (:meth:`finish_held` writes the row at the end). ``ACQUIRED`` for a new key (attempts 1) or one an
+        earlier attempt left started and free (``carried``: that row); else what holds the key, ``SWEPT``
+        for a tombstone, and ``IN_PROGRESS`` while another transaction holds it (PostgreSQL: the key's
+        advisory lock, not waited for; on SQLite the one writer made the others wait at ``BEGIN``)."""
+        existing: Row | None = None
+        swept = False
+        rest = digests
+        if self.database.can.writes_in_claim:
+            row = await ex.fetch_one(sql.LOCK_AND_LOOK, {"consumer": consumer, "key_digest": digests[0],
+                                                         "tombstones": self.tombstones})
+            assert row is not None
+            existing, swept = (row if row["state"] is not None else None), bool(row["tombstoned"])
+            if not row["locked"]:
+                if existing is not None and existing["state"] != "started":
+                    return verdict(existing, fingerprint)
+                return Claim(ClaimStatus.IN_PROGRESS, digests[0], 0)
+            rest = digests[1:]
+        if existing is None and rest:
+            existing = await self.lookup(ex, consumer, rest)
+            swept = swept or (existing is None and await self._swept(ex, consumer, rest))
+        if existing is not None:
+            if not claimable(existing, fingerprint, self.clock()):
+                return verdict(existing, fingerprint)
+            return Claim(ClaimStatus.ACQUIRED, existing["key_digest"], int(existing["attempts"]) + 1, carried=existing)
+        return Claim(ClaimStatus.SWEPT if swept else ClaimStatus.ACQUIRED, digests[0], 0 if swept else 1)
+
+    async def finish_held(self, ex: Executor, consumer: str, claim: Claim, fingerprint: str, *, namespace: str,
+                          version: int, outcome: str, result: Any) -> bool:
+        """The end of :meth:`hold`'s transaction: the key's row written completed with ``result``, or the
+        row it carried finished. ``False``: another request's row is there after all (its commit was not
+        yet visible when this one looked): the caller must roll back."""
+        now = self.clock()
+        params = {"consumer": consumer, "key_digest": claim.digest, "namespace": namespace, "version": version,
+                  "fingerprint": fingerprint, "outcome": outcome, "result": result, "now": now,
+                  "expires_at": now + self.retention, "tombstones": self.tombstones}
+        if claim.carried is not None:
+            return await ex.fetch_one(sql.FINISH_STARTED_WITH_RESULT, params) is not None
+        return await ex.execute(sql.INSERT_COMPLETED_WITH_RESULT, params) == 1
+
     async def claim_batch(self, ex: Executor, consumer: str, keys: Sequence[BatchKey], *,
                           outcome: str) -> list[Claim]:
         """The single-transaction claim of many keys at once, inside ``ex``'s transaction: each new key

@@ -1,17 +1,17 @@
 """Every SQL statement of the store, in one place.
 
-Statements take named parameters (``:name``); :mod:`consumer_kit.store.executor` runs them on either
-driver (asyncpg receives them as ``$n``). ``sql`` is PostgreSQL's text; ``sqlite`` is given where
-SQLite needs other words (no ``FOR UPDATE``, no data-modifying ``WITH``). Statements marked
-PostgreSQL-only are used on PostgreSQL alone; the store takes another path on SQLite.
+Statements take named parameters (``:name``); :mod:`consumer_kit.store.executor` runs them on either driver
+(asyncpg receives them as ``$n``). ``sql`` is PostgreSQL's text; ``sqlite`` is given where SQLite needs other
+words (no ``FOR UPDATE``, no data-modifying ``WITH``). Statements marked PostgreSQL-only are used on PostgreSQL
+alone; the store takes another path on SQLite.
 
-Parameters and result columns are typed by name (:data:`TYPES`): every column of that name, in every
-table, has that type, so a statement needs no type list of its own.
+Parameters and result columns are typed by name (:data:`TYPES`): every column of that name, in every table, has
+that type, so a statement needs no type list of its own.
 
-The two compound statements at the end (:data:`CLAIM_CREATING_SESSION`, :data:`COMPLETE_ENDING_SESSION`)
-are the private contract between the inbox and the coordinator's receipt store: the embedded
-coordinator's session is created in the statement that claims the delivery (only when the claim takes
-the lease) and ended in the statement that completes it, one round trip and one commit fewer each.
+The two compound statements at the end (:data:`CLAIM_CREATING_SESSION`, :data:`COMPLETE_ENDING_SESSION`) are the
+private contract between the inbox and the coordinator's receipt store: the embedded coordinator's session is
+created in the statement that claims the delivery (only when the claim takes the lease) and ended in the
+statement that completes it, one round trip and one commit fewer each.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ TYPES: dict[str, Kind] = {
                      "decided_until", "decided_from", "not_before", "before", "newest", "replayed_at", "acted_at"),
                     "datetime"),
     **dict.fromkeys(("result", "headers", "response", "inbox_result", "attributes"), "json"),
-    **dict.fromkeys(("closed", "generated", "tombstones", "tombstoned"), "bool"),
+    **dict.fromkeys(("closed", "generated", "tombstones", "tombstoned", "locked"), "bool"),
     **dict.fromkeys(("body",), "bytes"),
 }
 """The type of every parameter and result column by name; anything else is text or an integer."""
@@ -67,15 +67,15 @@ INBOX_COLUMNS = (
     "consumer, key_digest, namespace, version, fingerprint, state, locked_until, lease_token, attempts,"
     " outcome, result, last_error, created_at, updated_at, expires_at"
 )
-# Equality on the whole key, never IN (...): PostgreSQL plans a prepared statement once (generically,
-# after five runs), and on a table still empty then it plans key_digest IN ($2, $3) as a filter over
-# every row of the consumer, which stays the plan of that connection as the table grows (a lookup in
-# milliseconds at tens of thousands of rows). A row under the previous HMAC key is a second lookup.
+# Equality on the whole key, never IN (...): PostgreSQL plans a prepared statement once (generically, after five runs),
+# and on a table still empty then it plans key_digest IN ($2, $3) as a filter over every row of the consumer, which
+# stays the plan of that connection as the table grows (a lookup in milliseconds at tens of thousands of rows). A row
+# under the previous HMAC key is a second lookup.
 LOOKUP = Statement(f"SELECT {INBOX_COLUMNS} FROM inbox WHERE consumer = :consumer AND key_digest = :key_digest")
 
-# The two-transaction claim (the first transaction), in autocommit: insert the row, or take over a started
-# row for the same request whose lease ran out or was released; concurrent claimers serialise on the
-# row and one gets it. RETURNING gives the attempts when this claim took the lease.
+# The two-transaction claim (the first transaction), in autocommit: insert the row, or take over a started row for the
+# same request whose lease ran out or was released; concurrent claimers serialise on the row and one gets it. RETURNING
+# gives the attempts when this claim took the lease.
 _UPSERT_STARTED = (
     "INSERT INTO inbox (consumer, key_digest, namespace, version, fingerprint, state, locked_until,"
     " lease_token, attempts, created_at, updated_at, expires_at)"
@@ -88,10 +88,9 @@ _UPSERT_STARTED = (
     " RETURNING attempts"
 )
 CLAIM_SQLITE = Statement(_UPSERT_STARTED)  # SQLite: after a plain lookup, so a repeat writes nothing
-# PostgreSQL: the claim and the look at the row in one statement. The insert is skipped outright when
-# the row is completed, dead, leased or for another request, so a redelivery of finished work writes,
-# locks and flushes nothing; ``inbox_*`` is the row as this statement's snapshot saw it, for the
-# verdict when the claim did not take the lease.
+# PostgreSQL: the claim and the look at the row in one statement. The insert is skipped outright when the row is
+# completed, dead, leased or for another request, so a redelivery of finished work writes, locks and flushes nothing;
+# ``inbox_*`` is the row as this statement's snapshot saw it, for the verdict when the claim did not take the lease.
 _CLAIM_CTES = (
     "inbox_row AS (SELECT state, fingerprint, locked_until, attempts, result FROM inbox"
     " WHERE consumer = :consumer AND key_digest = :key_digest),"
@@ -117,17 +116,15 @@ _CLAIM_COLUMNS = (
     " EXISTS (SELECT 1 FROM tomb) AS tombstoned"
 )
 _CLAIM_FROM = "{one} AS inbox_one LEFT JOIN inbox_row r ON true"
-# A lease alone commits without waiting for its WAL to reach the disk: ``synchronous_commit`` is off for
-# the claim's own transaction (``set_config(..., true)`` ends with it; PostgreSQL keeps a volatile
-# column of a subquery, so the setting is made even though no column reads it). The claim is visible to
-# every other claimer at once, as before; only a crash of the database server can lose it (the last
-# fraction of a second of such commits). That is a lease ended early, which the design survives
-# anyway: the connection the delivery holds dies with the server, so its completion cannot commit;
-# were the lease lost while it lived, the completion's ``WHERE lease_token = ours`` would match nothing
-# and roll the effect back. And a completion that commits flushes the WAL up to itself, the claim's
-# record included. On a host whose disk flushes are slow this takes one of the two-transaction path's
-# two flushes away. A claim carrying a session's creation stays durable (the session may be used
-# outside the database before the completion commits).
+# A lease alone commits without waiting for its WAL to reach the disk: ``synchronous_commit`` is off for the claim's own
+# transaction (``set_config(..., true)`` ends with it; PostgreSQL keeps a volatile column of a subquery, so the setting
+# is made even though no column reads it). The claim is visible to every other claimer at once, as before; only a crash
+# of the database server can lose it (the last fraction of a second of such commits). That is a lease ended early, which
+# the design survives anyway: the connection the delivery holds dies with the server, so its completion cannot commit;
+# were the lease lost while it lived, the completion's ``WHERE lease_token = ours`` would match nothing and roll the
+# effect back. And a completion that commits flushes the WAL up to itself, the claim's record included. On a host whose
+# disk flushes are slow this takes one of the two-transaction path's two flushes away. A claim carrying a session's
+# creation stays durable (the session may be used outside the database before the completion commits).
 _LEASE_ONLY = "(SELECT set_config('synchronous_commit', 'off', true))"
 CLAIM = Statement(  # PostgreSQL only
     f"WITH {_CLAIM_CTES} SELECT {_CLAIM_COLUMNS} FROM {_CLAIM_FROM.format(one=_LEASE_ONLY)}")
@@ -153,10 +150,10 @@ INSERT_COMPLETED = Statement(
                " :expires_at",
         tombstones=":tombstones"),
 )
-# A batch's claim (PostgreSQL): every key written completed in one statement, inside the batch's
-# transaction; the keys it did not write are looked up after. Each key is probed through the primary
-# key by a LATERAL ... LIMIT 1 (which PostgreSQL does not flatten into a join: a join over an array
-# is planned, on an empty table, as a scan of the consumer's rows).
+# A batch's claim (PostgreSQL): every key written completed in one statement, inside the batch's transaction; the keys
+# it did not write are looked up after. Each key is probed through the primary key by a LATERAL ... LIMIT 1 (which
+# PostgreSQL does not flatten into a join: a join over an array is planned, on an empty table, as a scan of the
+# consumer's rows).
 CLAIM_BATCH = Statement(
     "INSERT INTO inbox (consumer, key_digest, namespace, version, fingerprint, state, attempts, outcome,"
     " created_at, updated_at, expires_at)"
@@ -184,33 +181,40 @@ FINISH_STARTED = Statement(
     " AND fingerprint = :fingerprint AND (locked_until IS NULL OR locked_until <= :now)"
     " RETURNING attempts"
 )
+# An idempotent endpoint's single transaction (PostgreSQL): first the key's advisory lock, not waited for (not granted:
+# a request with the key is in flight), and the row and tombstone as the snapshot sees them; last the row, completed
+# with the response, where the key's uniqueness stops a request that looked before another's commit was visible to it.
+LOCK_AND_LOOK = Statement(
+    "SELECT pg_try_advisory_xact_lock(hashtextextended(CAST(:consumer AS text) || ' ' || CAST(:key_digest AS text),"
+    " 0)) AS locked, EXISTS (SELECT 1 FROM inbox_tombstones WHERE consumer = :consumer AND key_digest = :key_digest"
+    " AND CAST(:tombstones AS boolean)) AS tombstoned, r.* FROM (SELECT 1) AS one LEFT JOIN (SELECT"
+    f" {INBOX_COLUMNS} FROM inbox WHERE consumer = :consumer AND key_digest = :key_digest) AS r ON true")
+INSERT_COMPLETED_WITH_RESULT = Statement(*(s.replace("outcome, created_at", "outcome, result, created_at").replace(
+    ":outcome,", ":outcome, :result,") for s in (INSERT_COMPLETED.sql, INSERT_COMPLETED.sqlite or "")))
+_SET_RESULT = ("outcome = :outcome,", "outcome = :outcome, result = :result,")
+FINISH_STARTED_WITH_RESULT = Statement(FINISH_STARTED.sql.replace(*_SET_RESULT))
 
 # The completion (the second transaction), inside the handler's transaction, only while the lease is ours. The expiry
-# the claim wrote is kept when it is at least ``keep_from`` (the completion's own, less a lease): an
-# update that changes no indexed column can be a heap-only tuple update on PostgreSQL, which writes no
-# index entries (ix_inbox_expires_at is the only index besides the key). Retention then counts from
-# at most one lease before the completion.
+# the claim wrote is kept when it is at least ``keep_from`` (the completion's own, less a lease): an update that changes
+# no indexed column can be a heap-only tuple update on PostgreSQL, which writes no index entries (ix_inbox_expires_at is
+# the only index besides the key). Retention then counts from at most one lease before the completion.
 _OURS = " WHERE consumer = :consumer AND key_digest = :key_digest AND state = 'started' AND lease_token = :lease_token"
 """The row of a key whose lease this attempt holds."""
-_COMPLETE = (
-    "UPDATE inbox SET state = 'completed', locked_until = NULL, lease_token = NULL, outcome = :outcome,"
-    " last_error = NULL, updated_at = :now,"
-    " expires_at = CASE WHEN expires_at >= :keep_from THEN expires_at ELSE :expires_at END" + _OURS
-)
+_COMPLETE = ("UPDATE inbox SET state = 'completed', locked_until = NULL, lease_token = NULL, outcome = :outcome,"
+             " last_error = NULL, updated_at = :now,"
+             " expires_at = CASE WHEN expires_at >= :keep_from THEN expires_at ELSE :expires_at END" + _OURS)
 COMPLETE = Statement(_COMPLETE)
 # The same, storing what a repeat is answered with (an idempotent HTTP endpoint's response).
-COMPLETE_WITH_RESULT = Statement(_COMPLETE.replace("outcome = :outcome,", "outcome = :outcome, result = :result,"))
+COMPLETE_WITH_RESULT = Statement(_COMPLETE.replace(*_SET_RESULT))
 # An attempt whose request failed validation before its route ran takes its claim back (the seed's "fails
 # validation: delete"): the corrected request, which has another fingerprint, is then a new one.
 WITHDRAW = Statement("DELETE FROM inbox" + _OURS)
 RENEW = Statement("UPDATE inbox SET locked_until = :locked_until, updated_at = :now" + _OURS)
 RELEASE = Statement(
     "UPDATE inbox SET locked_until = NULL, lease_token = NULL, updated_at = :now, last_error = :last_error" + _OURS)
-_MARK_DEAD = (
-    "UPDATE inbox SET state = 'dead', locked_until = NULL, lease_token = NULL, outcome = :outcome,"
-    " updated_at = :now, expires_at = :expires_at"
-    " WHERE consumer = :consumer AND key_digest = :key_digest AND state = 'started'"
-)
+_MARK_DEAD = ("UPDATE inbox SET state = 'dead', locked_until = NULL, lease_token = NULL, outcome = :outcome,"
+              " updated_at = :now, expires_at = :expires_at"
+              " WHERE consumer = :consumer AND key_digest = :key_digest AND state = 'started'")
 MARK_DEAD = Statement(f"{_MARK_DEAD} AND lease_token = :lease_token")
 MARK_DEAD_UNLEASED = Statement(f"{_MARK_DEAD} AND lease_token IS NULL")
 # After a failed single-transaction attempt: remember it (unleased) and count it.
@@ -320,10 +324,9 @@ INSERT_PARKED_AUDIT = Statement(
 LIST_PARKED_AUDIT = Statement(
     "SELECT id, dead_letter_id, action, actor, acted_at, outcome, detail FROM parked_audit"
     " WHERE dead_letter_id = :dead_letter_id ORDER BY acted_at, id")
-# A replay takes a parked key back out of the inbox's "dead" state (so that the redelivery runs the
-# handler, with a fresh count of attempts); with a new body accepted, a key in any state but a live
-# lease takes the parked delivery's fingerprint too. Completed keys are left alone otherwise: the
-# replay of finished work is a duplicate.
+# A replay takes a parked key back out of the inbox's "dead" state (so that the redelivery runs the handler, with a
+# fresh count of attempts); with a new body accepted, a key in any state but a live lease takes the parked delivery's
+# fingerprint too. Completed keys are left alone otherwise: the replay of finished work is a duplicate.
 _REOPEN = ("UPDATE inbox SET state = 'started', locked_until = NULL, lease_token = NULL, attempts = 0,"
            " outcome = NULL, result = NULL, last_error = NULL, updated_at = :now, expires_at = :expires_at")
 REOPEN_PARKED = Statement(
@@ -383,9 +386,9 @@ SWEEP_TICKS = Statement(
 )
 
 # --- the embedded coordinator's receipts, resources and scope counts ----------------------------------
-# A creation is one transaction: the receipt (ON CONFLICT DO NOTHING on its primary key: a concurrent
-# creation with the same key waits for the first to commit, then inserts nothing and replays it), the
-# resource, then a slot in the scope's count (last, so that its row lock is held only to the commit).
+# A creation is one transaction: the receipt (ON CONFLICT DO NOTHING on its primary key: a concurrent creation with the
+# same key waits for the first to commit, then inserts nothing and replays it), the resource, then a slot in the scope's
+# count (last, so that its row lock is held only to the commit).
 
 _RECEIPT_KEY = ("tenant = :tenant AND application = :application AND operation = :operation"
                 " AND key_digest = :receipt_digest")
@@ -441,9 +444,9 @@ SWEEP_RESOURCES = Statement(
 )
 RECEIPT_STATS = Statement("SELECT count(*) AS receipts, min(created_at) AS oldest FROM idempotency_receipts")
 
-# PostgreSQL's one-statement creation, in autocommit: a new key whose stripe has room takes the slot,
-# writes the receipt and the resource, or reports the receipt that exists. ``gate`` lets the
-# creation be carried by the inbox's claim (only when the claim took the lease).
+# PostgreSQL's one-statement creation, in autocommit: a new key whose stripe has room takes the slot, writes the receipt
+# and the resource, or reports the receipt that exists. ``gate`` lets the creation be carried by the inbox's claim (only
+# when the claim took the lease).
 def _creation_ctes(gate: str) -> str:
     return (
         "existing AS (SELECT r.fingerprint, r.resource_id, r.response, r.expires_at AS receipt_expires_at,"

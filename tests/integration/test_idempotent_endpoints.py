@@ -99,6 +99,14 @@ class Database:
     def __init__(self, url: str) -> None:
         self.url = url
 
+    def advisory_locks(self) -> int:
+        """How many advisory locks are held in this PostgreSQL database."""
+        conninfo = self.url.replace("postgresql+asyncpg://", "postgresql://")
+        with psycopg.connect(conninfo) as conn:
+            row = conn.execute("SELECT count(*) FROM pg_locks l JOIN pg_database d ON d.oid = l.database"
+                               " WHERE l.locktype = 'advisory' AND d.datname = current_database()").fetchone()
+        return int(row[0]) if row else 0
+
     def effects(self, ticket: str) -> list[tuple[str, str | None, int]]:
         """The rows the routes wrote for ``ticket``: (route, caller, attempt)."""
         query = "SELECT route, caller, attempt FROM idem_effects WHERE ticket = {p} ORDER BY attempt"
@@ -641,3 +649,110 @@ async def test_inside_fastapis_own_server_span_the_request_is_its_child(database
             line.append(by_id[line[-1].parent.span_id])
         assert line[-1].context.span_id in servers, [s.name for s in line]
     assert not [t for t in span_texts(spans.finished) if key in t]
+
+
+# --- one transaction (single_transaction=True) ------------------------------------------------------
+
+
+def on_sqlite(client: Client) -> bool:
+    return client.database.url.startswith("sqlite")
+
+
+@pytest.mark.parametrize("path", ["/one", "/fast/orders"])
+async def test_in_one_transaction_the_first_request_runs_once_and_repeats_replay(client: Client, path: str) -> None:
+    key, ticket = client.key(), client.ticket()
+    name = path.strip("/").replace("/", "-")
+    before = await client.metrics()
+    first = await client.post(path, key, {"ticket": ticket})
+    assert first.status_code == 201 and not replayed(first)
+    repeats = [await client.post(path, key, {"ticket": ticket}) for _ in range(20)]  # the later ones read first
+    assert all(replayed(r) and (r.status_code, r.content) == (201, first.content) for r in repeats)
+    assert repeats[0].headers["location"] == first.headers["location"]
+    other = await client.post(path, key, {"ticket": ticket, "size": 1})
+    assert (other.status_code, error(other)) == (422, "idempotency_key_reused")
+    assert client.effects(ticket) == [(name, None, 1)]
+    endpoint = name.split("-")[0]
+    assert outcomes(before, await client.metrics(), endpoint) == {"processed": 1, "replayed": 20, "key_reused": 1}
+
+
+async def test_in_one_transaction_tenants_keep_their_keys_apart(client: Client) -> None:
+    key, ticket = client.key(), client.ticket()
+    a = await client.post("/one", key, {"ticket": ticket}, token="token-a")
+    b = await client.post("/one", key, {"ticket": ticket}, token="token-b")
+    assert (a.status_code, b.status_code, replayed(b)) == (201, 201, False)
+    assert (await client.status("/one", key, token="token-a")).json()["state"] == "completed"
+    assert (await client.status("/one", key)).status_code == 404
+    assert sorted(client.effects(ticket), key=str) == sorted([("one", "tenant-a", 1), ("one", "tenant-b", 1)], key=str)
+
+
+async def test_in_one_transaction_a_repeat_while_the_first_runs(client: Client) -> None:
+    """PostgreSQL: the key's lock is held, so the repeat (and another request with the key) is a 409 at
+    once. SQLite: its one writer has the repeat wait for the first, whose answer it then gets."""
+    key, ticket = client.key(), client.ticket()
+    order = {"ticket": ticket, "gate": True}
+    first = asyncio.create_task(client.post("/one", key, order))
+    try:
+        if on_sqlite(client):
+            await asyncio.sleep(0.3)  # nothing of it is visible while it runs: give it time to start
+            repeat = asyncio.create_task(client.post("/one", key, order))
+            await asyncio.sleep(0.3)
+            assert not repeat.done()
+        else:
+            deadline = time.monotonic() + 10
+            while not client.database.advisory_locks():  # the first holds its key
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.02)
+            answer = await client.post("/one", key, order)
+            assert (answer.status_code, error(answer), answer.headers["retry-after"]) == (409, "request_in_progress", "1")
+            other = await client.post("/one", key, {"ticket": ticket})
+            assert (other.status_code, error(other)) == (409, "request_in_progress")
+            assert (await client.status("/one", key)).status_code == 404  # nothing committed while it runs
+    finally:
+        await client.http.post(f"/_test/gates/{ticket}")
+        done = await first
+    assert done.status_code == 201 and not replayed(done)
+    if on_sqlite(client):
+        waited = await repeat
+        assert replayed(waited) and waited.content == done.content
+    assert client.effects(ticket) == [("one", None, 1)]
+
+
+async def test_in_one_transaction_a_failure_leaves_nothing_behind(client: Client) -> None:
+    key, ticket = client.key(), client.ticket()
+    order = {"ticket": ticket, "raise_times": 1, "unavailable_times": 2}
+    raised = await client.post("/one", key, order)
+    assert raised.status_code == 500 and client.effects(ticket) == []
+    busy = await client.post("/one", key, order)  # no lease to wait out: it runs again at once
+    assert busy.status_code == 503 and client.effects(ticket) == []
+    assert (await client.status("/one", key)).status_code == 404
+    ran = await client.post("/one", key, order)
+    assert ran.status_code == 201 and not replayed(ran)
+    assert client.effects(ticket) == [("one", None, 1)]
+    assert replayed(await client.post("/one", key, order))
+
+
+async def test_in_one_transaction_200_requests_at_once_with_one_key_run_it_once(client: Client) -> None:
+    key, ticket = client.key(), client.ticket()
+    order = {"ticket": ticket, "sleep": 0.05}
+    limits = httpx.Limits(max_connections=200, max_keepalive_connections=200)
+    async with httpx.AsyncClient(base_url=str(client.http.base_url), limits=limits, timeout=60) as many:
+        answers = await asyncio.gather(*(many.post("/one", json=order, headers={"Idempotency-Key": quoted(key)})
+                                         for _ in range(200)))
+    ran = [a for a in answers if a.status_code == 201 and not replayed(a)]
+    assert len(ran) == 1, [a.status_code for a in answers]
+    for answer in answers:
+        if answer.status_code == 409:
+            assert error(answer) == "request_in_progress" and not on_sqlite(client)
+        else:
+            assert (answer.status_code, answer.content) == (201, ran[0].content)
+    assert client.effects(ticket) == [("one", None, 1)]
+
+
+async def test_in_one_transaction_a_key_seen_again_after_its_record_was_swept(client: Client) -> None:
+    key, ticket = client.key(), client.ticket()
+    assert (await client.post("/one/late", key, {"ticket": ticket})).status_code == 201
+    await asyncio.sleep(1.1)  # INBOX_RETENTION_SECONDS=1
+    assert (await client.http.post("/_test/sweep")).json()["swept"] >= 1
+    late = await client.post("/one/late", key, {"ticket": ticket})
+    assert (late.status_code, error(late)) == (422, "idempotency_key_expired")
+    assert client.effects(ticket) == [("one-late", None, 1)]

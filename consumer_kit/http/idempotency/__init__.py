@@ -25,7 +25,8 @@ dependency style.
 
 from consumer_kit.http.idempotency.asgi import IdempotencyKey, IdempotencyMiddleware, idempotency_context
 from consumer_kit.http.idempotency.keys import fingerprint, header_key
-from consumer_kit.http.idempotency.operation import IdempotentContext, KeyRules, Operation, Reply, RequestFacts
+from consumer_kit.http.idempotency.operation import IdempotentContext, KeyRules, Operation
+from consumer_kit.http.idempotency.replies import Reply, RequestFacts
 
 __all__ = ["IdempotencyKey", "IdempotencyMiddleware", "IdempotentContext", "KeyRules", "Operation", "Reply",
            "RequestFacts", "fingerprint", "header_key", "idempotency_context"]

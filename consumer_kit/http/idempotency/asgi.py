@@ -32,15 +32,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from consumer_kit.http import RequestRejected
 from consumer_kit.http.idempotency.keys import KeyRefused, header_key
-from consumer_kit.http.idempotency.operation import (
-    PASS,
-    IdempotentContext,
-    KeyRules,
-    Operation,
-    Reply,
-    RequestFacts,
-    refusal,
-)
+from consumer_kit.http.idempotency.operation import PASS, IdempotentContext, KeyRules, Operation
+from consumer_kit.http.idempotency.replies import Reply, RequestFacts, refusal
 from consumer_kit.http.intake import read_body
 
 SCOPE_KEY = "consumer_kit.idempotency"
@@ -263,10 +256,14 @@ class IdempotencyMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        exchange = _Exchange()
-        scope = {**scope, SCOPE_KEY: exchange}
+        # Under another IdempotencyMiddleware (one a prefix), this one claims into the outer's exchange,
+        # and the outer, which holds the response, stores it.
+        outer = scope.get(SCOPE_KEY)
+        exchange = outer if isinstance(outer, _Exchange) else _Exchange()
+        if exchange is not outer:
+            scope = {**scope, SCOPE_KEY: exchange}
         keys = self.keys
-        if keys is not None and self._covers(scope):
+        if keys is not None and exchange.operation is None and self._covers(scope):
             body = await _read(receive, keys.body_limit)
             if body is None:
                 await send_reply(send, keys.counted(refusal(413, "payload_too_large", outcome="too_large")))
@@ -277,9 +274,15 @@ class IdempotencyMiddleware:
                 return
             if isinstance(begun, Operation):
                 exchange.operation = begun
+                if exchange is outer:  # its time limit starts now
+                    exchange.began(begun)
             receive = _replaying(body, receive)
-        elif self.body_limit is not None and any(n.lower() == b"idempotency-key" for n, _ in scope["headers"]):
+        elif exchange is not outer and self.body_limit is not None and any(
+                n.lower() == b"idempotency-key" for n, _ in scope["headers"]):
             receive = _capped(receive, self.body_limit, exchange)
+        if exchange is outer:
+            await self.app(scope, receive, send)
+            return
         await self._run(scope, receive, send, exchange)
 
     async def _run(self, scope: Scope, receive: Receive, send: Send, exchange: _Exchange) -> None:

@@ -15,6 +15,14 @@
       5xx or raised   -> roll back, release the key: a retry runs the route again (unlike Stripe, which stores 500s)
       too big to keep -> roll back, release, 500 idempotent_response_too_large (never half stored)
 
+    single_transaction=True (a route whose every effect is in the database):
+    BEGIN; hold the key (PostgreSQL: its advisory lock, not waited for: in flight -> 409); route(ctx);
+           insert the row completed with the response; COMMIT      a crash or a 5xx leaves nothing behind
+
+While many of an endpoint's requests are repeats, the key is first looked up (on PostgreSQL in a read
+shared with the other requests under way, on no connection of the request's own): a repeat of finished
+work then costs a share of one read.
+
 The adapters that feed it requests (an ASGI middleware, a FastAPI dependency, a Starlette endpoint
 decorator) are :mod:`consumer_kit.http.idempotency.asgi`. This module needs no web framework.
 """
@@ -24,12 +32,10 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
-import json
 import logging
 import math
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from consumer_kit import metrics
@@ -38,51 +44,17 @@ from consumer_kit.delivery import Delivery
 from consumer_kit.errors import InvalidKey
 from consumer_kit.http import DEFAULT_BODY_LIMIT
 from consumer_kit.http.idempotency.keys import KeyRefused, fingerprint, header_key
+from consumer_kit.http.idempotency.replies import KEPT_HEADERS, Reply, RequestFacts, refusal, replay
 from consumer_kit.keys import OperationKey, short
-from consumer_kit.store import ClaimStatus, Executor, OutboxWriter, StagedWrites
+from consumer_kit.pipeline.duplicates import DuplicateShare
+from consumer_kit.store import Claim, ClaimStatus, Executor, OutboxWriter, StagedWrites, claimable, verdict
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span
 
     from consumer_kit.app import ConsumerApp
-    from consumer_kit.store import Claim
 
 log = logging.getLogger("consumer_kit.http.idempotency")
-
-KEPT_HEADERS = frozenset({b"content-type", b"location", b"content-location"})
-"""The response headers a replay repeats besides those an endpoint names (``replay_headers``)."""
-REPLAYED = (b"idempotency-replayed", b"true")
-JSON = (b"content-type", b"application/json")
-
-
-@dataclass(frozen=True, slots=True)
-class Reply:
-    """An HTTP answer, as sent or stored: status, raw header pairs (no ``content-length``), body; and
-    the outcome it is counted as (not sent)."""
-
-    status: int
-    headers: tuple[tuple[bytes, bytes], ...]
-    body: bytes
-    outcome: str = "processed"
-
-
-def refusal(status: int, code: str, *headers: tuple[bytes, bytes], outcome: str) -> Reply:
-    """A small JSON error answer (``{"error": code}``), counted as ``outcome``; never names the key."""
-    return Reply(status, (JSON, *headers), json.dumps({"error": code}).encode(), outcome)
-
-
-@dataclass(frozen=True, slots=True)
-class RequestFacts:
-    """What the rules read of a request: its method, path, raw query, raw headers, body and caller
-    (the principal or tenant the endpoint's ``caller`` function named; ``None``: not scoped)."""
-
-    method: str
-    path: str
-    query: bytes
-    headers: Sequence[tuple[bytes, bytes]]
-    body: bytes
-    caller: str | None = None
-
 
 class IdempotentContext(Context):
     """What the route gets: a :class:`~consumer_kit.Context` (``ctx.key``, ``ctx.db`` and
@@ -95,6 +67,9 @@ class IdempotentContext(Context):
 
     caller: str | None
 
+
+READ_FIRST_ABOVE = 0.25
+"""The share of an endpoint's requests that are repeats above which a key is looked up before it is claimed."""
 
 PASS = object()
 """What :meth:`KeyRules.begin` answers for a request without a key to an endpoint that does not
@@ -117,16 +92,24 @@ class KeyRules:
     ``body_limit`` caps the request body (413), ``response_limit`` the response kept for replays
     (default ``IDEMPOTENT_RESPONSE_LIMIT_BYTES``), ``timeout_seconds`` the route's run (default the
     inbox lease, ``INBOX_LEASE_SECONDS``: the lease stays the request's while it runs).
+    ``single_transaction=True``: the key, the route's writes and the response commit in one transaction,
+    for a route whose every effect is in the database (``ctx.db``, ``ctx.connection``, ``ctx.outbox``): a
+    route that calls out would call again after a rollback. It is faster, and a crash mid-request leaves
+    nothing to wait for: the retry runs at once. ``driver="asyncpg"`` (PostgreSQL on asyncpg): the route
+    writes through ``ctx.connection`` only, not ``ctx.db``, on the store's own asyncpg pool.
     """
 
     def __init__(self, app: ConsumerApp, *, namespace: str, version: int, name: str | None = None,
                  required: bool = True, fingerprint_headers: Sequence[str] = (), replay_headers: Sequence[str] = (),
                  bare_keys: bool = False, after_retention: Literal["refuse", "run"] = "refuse",
                  body_limit: int = DEFAULT_BODY_LIMIT, response_limit: int | None = None,
-                 timeout_seconds: float | None = None) -> None:
+                 timeout_seconds: float | None = None, single_transaction: bool = False,
+                 driver: Literal["sqlalchemy", "asyncpg"] = "sqlalchemy") -> None:
         OperationKey(namespace, version, "probe")  # fail at construction on a bad namespace or version
         if after_retention not in ("refuse", "run"):
             raise ValueError(f"after_retention must be 'refuse' or 'run', not {after_retention!r}")
+        if driver not in ("sqlalchemy", "asyncpg"):
+            raise ValueError(f"driver must be 'sqlalchemy' or 'asyncpg', not {driver!r}")
         self.app = app
         self.namespace = namespace
         self.version = version
@@ -140,6 +123,9 @@ class KeyRules:
         self.body_limit = body_limit
         self.response_limit = response_limit
         self._timeout = timeout_seconds
+        self.single_transaction = single_transaction
+        self.uses_db = driver == "sqlalchemy"
+        self._repeats = DuplicateShare(READ_FIRST_ABOVE)
         self._counts = {outcome: metrics.IDEMPOTENT_REQUESTS.labels(self.name, outcome)
                         for outcome in metrics.IDEMPOTENT_OUTCOMES}
         self._seconds = metrics.IDEMPOTENT_SECONDS.labels(self.name)
@@ -206,7 +192,7 @@ class KeyRules:
         if len(request.body) > self.body_limit:
             return refusal(413, "payload_too_large", outcome="too_large")
         try:
-            database, inbox, digester = self.app.database, self.app.inbox, self.app.pipeline.digester
+            inbox, digester = self.app.inbox, self.app.pipeline.digester
         except RuntimeError:  # the app is not started (or is stopping)
             return refusal(503, "not_accepting", (b"retry-after", b"1"), outcome="unavailable")
         try:
@@ -220,8 +206,25 @@ class KeyRules:
         named = [(n.decode("latin-1"), v.decode("latin-1")) for n, v in request.headers
                  if n.lower() in self.fingerprint_headers]
         fp = fingerprint(request.method, request.path, request.query, request.body, content_type, named)
+        read_first = self._repeats.read_first(self.consumer)
+        if read_first and inbox.shares_reads:  # a repeat then takes no connection of its own
+            seen = await inbox.look(self.consumer, digests)
+            if seen is not None and not claimable(seen, fp, self.app.clock()):
+                self._repeats.count(self.consumer, taken=True)
+                return self._taken(verdict(seen, fp))
+        if self.single_transaction:
+            begun = await self._hold(request, key, digests, fp, span)
+        else:
+            begun = await self._lease(request, key, digests, fp, span)
+        self._repeats.count(self.consumer, taken=isinstance(begun, Reply) and begun.outcome != "key_expired")
+        return begun
+
+    async def _lease(self, request: RequestFacts, key: OperationKey, digests: Sequence[str], fp: str,
+                     span: Span | None) -> Reply | Operation:
+        """The two-transaction path's claim, committed at once, then the route's transaction begun."""
+        database, inbox = self.app.database, self.app.inbox
         connection = contextlib.AsyncExitStack()
-        ex = await connection.enter_async_context(database.connect(session=True))
+        ex = await connection.enter_async_context(database.connect(session=self.uses_db))
         try:
             claim = await inbox.claim(ex, self.consumer, digests, fp, namespace=key.namespace, version=key.version)
             if claim.status is ClaimStatus.SWEPT:
@@ -236,12 +239,44 @@ class KeyRules:
             if not claim.acquired:
                 await connection.aclose()
                 return self._taken(claim)
-            operation = Operation(self, key, request, claim, connection, ex, span)
+            operation = Operation(self, key, fp, request, claim, connection, ex, span)
         except BaseException:
             await connection.__aexit__(*sys.exc_info())
             raise
         await operation.open()
         return operation
+
+    async def _hold(self, request: RequestFacts, key: OperationKey, digests: Sequence[str], fp: str,
+                    span: Span | None) -> Reply | Operation:
+        """The single-transaction path: begin the route's transaction and hold the key in it."""
+        database, inbox = self.app.database, self.app.inbox
+        connection = contextlib.AsyncExitStack()
+        transaction = contextlib.AsyncExitStack()
+        ex = await connection.enter_async_context(database.connect(session=self.uses_db))
+        try:
+            if not inbox.shares_reads:  # one writer (SQLite): a repeat must not wait for its write lock
+                seen = await inbox.lookup(ex, self.consumer, digests)
+                if seen is not None and not claimable(seen, fp, self.app.clock()):
+                    await connection.aclose()
+                    return self._taken(verdict(seen, fp))
+            await transaction.enter_async_context(ex.begin(deferred=False))
+            claim = await inbox.hold(ex, self.consumer, digests, fp)
+            if claim.status is ClaimStatus.SWEPT:
+                if self.after_retention == "refuse":
+                    metrics.LATE_DELIVERIES.labels(self.consumer, "refused").inc()
+                    await _roll_back(transaction, connection)
+                    return refusal(422, "idempotency_key_expired", outcome="key_expired")
+                metrics.LATE_DELIVERIES.labels(self.consumer, "processed").inc()
+                await inbox.forget(ex, self.consumer, digests)
+                claim = Claim(ClaimStatus.ACQUIRED, digests[0], 1)
+            if not claim.acquired:
+                await _roll_back(transaction, connection)
+                return self._taken(claim)
+            return Operation(self, key, fp, request, claim, connection, ex, span, transaction=transaction)
+        except BaseException:
+            await transaction.__aexit__(*sys.exc_info())
+            await connection.__aexit__(*sys.exc_info())
+            raise
 
     def _taken(self, claim: Claim) -> Reply:
         """The answer to a request whose key another attempt holds or finished."""
@@ -261,12 +296,6 @@ class KeyRules:
         return {"status": reply.status, "headers": headers, "body": base64.b64encode(reply.body).decode("ascii")}
 
 
-def replay(result: dict[str, Any]) -> Reply:
-    """The stored answer, marked as a replay (``Idempotency-Replayed: true``, the coordinator's header)."""
-    headers = tuple((str(n).encode("latin-1"), str(v).encode("latin-1")) for n, v in result.get("headers", ()))
-    return Reply(int(result["status"]), (*headers, REPLAYED), base64.b64decode(result.get("body", "")), "replayed")
-
-
 _GIVEN_BACK_STATUS = {"timed_out": 503, "lease_lost": 409, "invalid_request": 422}
 """The answer to a request whose key was given back, by outcome (others: 500), for its span."""
 
@@ -276,19 +305,31 @@ class _Abandoned(Exception):
     its own (a 5xx it returned, a response too big to keep)."""
 
 
+async def _roll_back(transaction: contextlib.AsyncExitStack, connection: contextlib.AsyncExitStack) -> None:
+    """End a transaction that wrote nothing (a key found taken) and give its connection back."""
+    try:
+        await transaction.__aexit__(_Abandoned, _Abandoned(), None)
+    finally:
+        await connection.aclose()
+
+
 class Operation:
     """One request that holds its key: the connection it claimed on, the transaction the route writes
     in (opened by :meth:`open`), and the route's :class:`IdempotentContext`. End it exactly once: with
     :meth:`finish` and the route's answer, or :meth:`abort`."""
 
-    def __init__(self, keys: KeyRules, key: OperationKey, request: RequestFacts, claim: Claim,
-                 connection: contextlib.AsyncExitStack, ex: Executor, span: Span | None) -> None:
+    def __init__(self, keys: KeyRules, key: OperationKey, fp: str, request: RequestFacts, claim: Claim,
+                 connection: contextlib.AsyncExitStack, ex: Executor, span: Span | None, *,
+                 transaction: contextlib.AsyncExitStack | None = None) -> None:
         self.keys = keys
         self.key = key
+        self.fingerprint = fp
         self.claim = claim
+        self.single = transaction is not None
+        """Whether the key is held in the route's transaction (``single_transaction``), not by a lease."""
         self.digest = short(claim.digest)
         self._connection = connection
-        self._transaction = contextlib.AsyncExitStack()
+        self._transaction = transaction or contextlib.AsyncExitStack()
         self.ex = ex
         app = keys.app
         self._started = asyncio.get_running_loop().time()
@@ -337,10 +378,15 @@ class Operation:
             session = ex.session_made()
             if session is not None and (session.new or session.dirty or session.deleted):
                 await session.flush()
-            completed = await keys.app.inbox.complete(ex, keys.consumer, self.claim.digest,
-                                                      self.claim.lease_token or "", outcome="processed",
-                                                      result=keys.stored(reply))
-            if not completed:  # another attempt took over after our lease ran out: ours writes nothing
+            inbox, stored = keys.app.inbox, keys.stored(reply)
+            if self.single:
+                completed = await inbox.finish_held(ex, keys.consumer, self.claim, self.fingerprint,
+                                                    namespace=self.key.namespace, version=self.key.version,
+                                                    outcome="processed", result=stored)
+            else:
+                completed = await inbox.complete(ex, keys.consumer, self.claim.digest, self.claim.lease_token or "",
+                                                 outcome="processed", result=stored)
+            if not completed:  # another attempt took over, or committed first: ours writes nothing
                 await self._give_back(None, "lease_lost", release=False)
                 return refusal(409, "request_in_progress", (b"retry-after", b"1"), outcome="lease_lost")
             await self._transaction.aclose()  # COMMIT
