@@ -11,6 +11,7 @@ from __future__ import annotations
 EXPECTED: dict[str, dict[str, int]] = {
     "README.md": dict(found=6, run=2, written=0, checked=0, outputs=2, shown=0, not_run=2),
     "docs/configuration.md": dict(found=9, run=4, written=1, checked=0, outputs=4, shown=0, not_run=0),
+    "docs/console.md": dict(found=13, run=6, written=2, checked=1, outputs=4, shown=0, not_run=0),
     "docs/coordinator.md": dict(found=10, run=6, written=0, checked=0, outputs=4, shown=0, not_run=0),
     "docs/getting-started.md": dict(found=10, run=4, written=1, checked=0, outputs=3, shown=0, not_run=2),
     "docs/handlers.md": dict(found=22, run=12, written=3, checked=0, outputs=7, shown=0, not_run=0),
@@ -34,4 +35,4 @@ EXPECTED: dict[str, dict[str, int]] = {
     "docs/testing.md": dict(found=9, run=3, written=3, checked=0, outputs=3, shown=0, not_run=0),
 }
 
-TOTAL = dict(found=262, run=127, written=37, checked=1, outputs=88, shown=3, not_run=6)
+TOTAL = dict(found=275, run=133, written=39, checked=2, outputs=92, shown=3, not_run=6)
