@@ -82,7 +82,8 @@ def test_every_command_lists_the_environment_it_reads_from_settings_fields() -> 
         for name in variables:
             assert name in epilog, (parser.prog, name)
     every = [name.upper() for name in Settings.model_fields]
-    for loads_an_app in ("run", "parked replay", "schedule run", "schedule list", "console"):  # the app's Settings() reads all
+    # the app's Settings() reads all
+    for loads_an_app in ("run", "parked replay", "schedule run", "schedule list", "console"):
         assert found[loads_an_app] == every, loads_an_app
     for reads_the_store in ("parked list", "parked groups", "parked show", "parked discard"):
         assert found[reads_the_store] == ["DATABASE_URL"], reads_the_store  # consumer-kit's tables, no app
