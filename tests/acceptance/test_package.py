@@ -116,6 +116,9 @@ def test_the_package_installs_under_its_own_name_only(built: Built, tmp_path: Pa
     names = zipfile.ZipFile(built.wheel).namelist()
     assert {name.split("/")[0] for name in names} == {"consumer_kit", built.wheel.name.split("-py")[0] + ".dist-info"}
     assert "consumer_kit/sources/schedules/__init__.py" in names and "consumer_kit/sources/py.typed" in names
+    # The console's templates and static files are package data: a wheel without them serves no page.
+    assert {"consumer_kit/console/templates/base.html", "consumer_kit/console/static/console.js",
+            "consumer_kit/console/static/console.css"} <= set(names)
 
     # A fresh virtualenv whose dependencies come from this one (a .pth line: the editable install of
     # this checkout is not among them, since .pth files of an added directory are not processed).
