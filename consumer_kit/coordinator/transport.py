@@ -1,64 +1,47 @@
-# ruff: noqa: ASYNC109  (the timeout parameters are httpcore's network-stream interface)
-"""An httpx transport whose connection pool hands each request a keep-alive connection of its own.
+"""An httpx transport speaking HTTP/1.1 with httptools' parser, over keep-alive connections of its own.
 
-httpcore's ``AsyncConnectionPool`` re-plans the whole pool on every request and every response close:
-each queued request is matched against every connection, every connection's socket is polled for
-expiry, and when several requests queue at once they are all given the same idle connection, so all
-but one fail with ``ConnectionNotAvailable`` and go round again. At 16 concurrent requests that was
-about 11 passes and 23 socket polls per request, most of ``HttpCoordinator``'s CPU
-(bench/coordinator.py). This pool keeps a stack of idle HTTP/1.1 connections per origin and a
-semaphore of ``max_connections``: a request takes a slot, pops the most recently used idle connection
-(checked once for expiry, as httpcore checks it) or opens one, and gives both back when its response
-is closed. TLS and the HTTP/1.1 protocol are httpcore's own; its connections run on asyncio's
-transports (:class:`_AsyncioBackend`) rather than anyio's.
+``HttpCoordinator`` is an httpx client; its own client runs on this transport instead of httpx's
+default (httpcore's pool over h11). Measured in bench/coordinator.py on a 2-core host, a creation cost
+the client 550-620 us of CPU on httpcore and h11 (h11 parses and httpcore manages every connection in
+pure Python, with an anyio lock or two per request), ~225 us with aiohttp, and ~80 us with a client
+on httptools' parser. So this transport frames responses with httptools (MagicStack's binding of
+llhttp, the parser uvicorn and our servers run on; a dependency already) and does by hand only what
+a pool of HTTP/1.1 connections to a few origins needs:
 
-Only public seams are used: the transport is an ``httpx.AsyncBaseTransport`` (httpx's one-method
-transport interface) over ``httpcore.AsyncHTTPConnection`` (httpcore's one-connection class, which takes
-the SSL context, keep-alive expiry and network backend as arguments), and the network backend is an
-``httpcore.AsyncNetworkBackend`` (httpcore's interface for them). ``httpx.AsyncHTTPTransport`` has no
-public way to run on another pool, so what it does around its pool is repeated here: the request and
-the response are translated between httpx's and httpcore's models, and httpcore's exceptions are mapped
-to httpx's (:data:`_ERRORS`; httpx's own map is private). tests/integration/test_coordinator_transport.py
-checks that each failure comes out as the same httpx exception as from ``httpx.AsyncHTTPTransport``.
+- a semaphore of ``max_connections`` and a stack of idle connections per origin: a request takes a
+  slot, the most recently used idle connection (if it is still sound and within ``keepalive_expiry``)
+  or a new one, and gives both back when its response has been read;
+- a request's head and body go out in one write (one TCP segment, one wake-up of the server);
+- a connection in doubt (an error, a cancelled await, bytes arriving while idle, ``Connection:
+  close``) is closed, never pooled. Nothing is awaited in that cleanup, so a cancellation cannot
+  interrupt it.
+
+Only public interfaces are used: httpx's one-method transport (``httpx.AsyncBaseTransport``) and its
+models, httptools' ``HttpResponseParser`` and asyncio's protocols. Failures are httpx's own
+exceptions, the same one for the same failure as from ``httpx.AsyncHTTPTransport``
+(tests/integration/test_coordinator_transport.py checks each). Not supported, as no coordinator
+needs them: proxies, HTTP/2, upgrades, and answers to ``HEAD``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import re
 import ssl
-from collections.abc import AsyncIterator, Iterable
-from typing import Any, NoReturn, cast
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import cast
 
-import httpcore
+import httptools
 import httpx
 
 _Key = tuple[bytes, bytes, int]
 
-_ERRORS: tuple[tuple[type[Exception], type[httpx.TransportError]], ...] = (
-    (httpcore.ConnectTimeout, httpx.ConnectTimeout),
-    (httpcore.ReadTimeout, httpx.ReadTimeout),
-    (httpcore.WriteTimeout, httpx.WriteTimeout),
-    (httpcore.PoolTimeout, httpx.PoolTimeout),
-    (httpcore.TimeoutException, httpx.TimeoutException),
-    (httpcore.ConnectError, httpx.ConnectError),
-    (httpcore.ReadError, httpx.ReadError),
-    (httpcore.WriteError, httpx.WriteError),
-    (httpcore.NetworkError, httpx.NetworkError),
-    (httpcore.ProxyError, httpx.ProxyError),
-    (httpcore.UnsupportedProtocol, httpx.UnsupportedProtocol),
-    (httpcore.LocalProtocolError, httpx.LocalProtocolError),
-    (httpcore.RemoteProtocolError, httpx.RemoteProtocolError),
-    (httpcore.ProtocolError, httpx.ProtocolError),
-)
-"""httpcore's exceptions and the httpx exception each becomes, the most specific first (as
-``httpx.AsyncHTTPTransport`` maps them)."""
-
-
-def _raise_mapped(exc: BaseException) -> NoReturn:
-    for core, mapped in _ERRORS:
-        if isinstance(exc, core):
-            raise mapped(str(exc)) from exc
-    raise exc
+_TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+_BAD_VALUE = re.compile(rb"[\x00\r\n]|^[ \t]|[ \t]$")
+_BAD_TARGET = re.compile(rb"[\x00-\x20\x7f]")
+_HIGH_WATER = 262_144
+"""Bytes of a response body received and not read yet above which the socket is not read."""
 
 
 class KeepAliveTransport(httpx.AsyncBaseTransport):
@@ -70,72 +53,128 @@ class KeepAliveTransport(httpx.AsyncBaseTransport):
         limits = limits or httpx.Limits(max_connections=100, keepalive_expiry=5.0)
         self._ssl_context = httpx.create_ssl_context(verify=verify, trust_env=False)
         self._keepalive_expiry = limits.keepalive_expiry
-        max_connections = limits.max_connections
-        self._slots = asyncio.Semaphore(max_connections) if max_connections else None
-        self._idle: dict[_Key, list[httpcore.AsyncHTTPConnection]] = {}
+        self._slots = asyncio.Semaphore(limits.max_connections) if limits.max_connections else None
+        self._idle: dict[_Key, list[_Connection]] = {}
         self._closed = False
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        """Send ``request`` on a connection of its own; closing the response gives the connection back."""
+        """Send ``request`` on a connection of its own; reading its response to the end (or closing it)
+        gives the connection back."""
         url = request.url
-        if url.raw_scheme not in (b"http", b"https"):
-            raise httpx.UnsupportedProtocol(f"unsupported scheme {url.scheme!r}")
+        _check_scheme(url)
+        head, body, chunked = await _serialize(request)
+        stream = request.stream if chunked else None
+        assert stream is None or isinstance(stream, httpx.AsyncByteStream)
+        timeouts = request.extensions.get("timeout", {})
+        closing = b"close" in request.headers.get("connection", "").encode().lower()
+        key, connection = await self._open(url, head, body, stream, timeouts, closing=closing)
+        extensions = {"http_version": b"HTTP/1.1", "reason_phrase": connection.reason}
+        if connection.complete:  # the usual small answer, whole in the first read: no stream to manage
+            content = connection.take_body()
+            self.give_back(key, connection)
+            return httpx.Response(connection.status, headers=connection.headers,
+                                  stream=httpx.ByteStream(content), extensions=extensions)
+        return httpx.Response(connection.status, headers=connection.headers, extensions=extensions,
+                              stream=_Body(self, key, connection, timeouts.get("read")))
+
+    async def exchange(self, method: bytes, url: httpx.URL, headers: list[tuple[bytes, bytes]], body: bytes,
+                       timeouts: dict[str, float | None]) -> Answer:
+        """One request with a body in memory, its whole answer read: what ``HttpCoordinator`` sends,
+        without building httpx's request and response models (a seventh of its CPU per creation).
+        ``Host`` and ``Content-Length`` are added; ``headers`` are checked as in any request."""
+        _check_scheme(url)
+        lines = [method, b" ", url.raw_path, b" HTTP/1.1\r\nHost: ", url.netloc,
+                 b"\r\nContent-Length: ", b"%d" % len(body), b"\r\n"]
+        _check_request(method, url.raw_path, headers)
+        for name, value in headers:
+            lines += (name, b": ", value, b"\r\n")
+        lines.append(b"\r\n")
+        key, connection = await self._open(url, b"".join(lines), body, None, timeouts, closing=False)
+        chunks: list[bytes] = []
+        try:
+            while chunk := await connection.next_chunk(timeouts.get("read")):
+                chunks.append(chunk)
+        except BaseException:
+            connection.abort()
+            self.give_back(key, connection)
+            raise
+        self.give_back(key, connection)
+        return Answer(connection.status, connection.headers, chunks[0] if len(chunks) == 1 else b"".join(chunks))
+
+    async def _open(self, url: httpx.URL, head: bytes, body: bytes, stream: httpx.AsyncByteStream | None,
+                    timeouts: dict[str, float | None], *, closing: bool) -> tuple[_Key, _Connection]:
+        """A slot, a connection, the request sent on it and its answer's head read; on any failure (or
+        cancellation) the connection is closed and the slot freed."""
         if self._closed:
             raise RuntimeError("the transport is closed")
-        assert isinstance(request.stream, httpx.AsyncByteStream)
         if self._slots is not None:
-            timeout = request.extensions.get("timeout", {}).get("pool")
             try:
-                async with asyncio.timeout(timeout):
+                async with asyncio.timeout(timeouts.get("pool")):
                     await self._slots.acquire()
             except TimeoutError:
                 raise httpx.PoolTimeout("no connection became free within the pool timeout") from None
-        core_request = httpcore.Request(
-            method=request.method,
-            url=httpcore.URL(scheme=url.raw_scheme, host=url.raw_host, port=url.port, target=url.raw_path),
-            headers=request.headers.raw, content=request.stream, extensions=request.extensions)
-        origin = core_request.url.origin
-        key = (origin.scheme, origin.host, origin.port)
-        connection: httpcore.AsyncHTTPConnection | None = None
+        key = (url.raw_scheme, url.raw_host, url.port or (443 if url.raw_scheme == b"https" else 80))
+        connection: _Connection | None = None
         try:
-            idle = self._idle.get(key)
-            while idle:
-                candidate = idle.pop()
-                if candidate.is_available() and not candidate.has_expired():
-                    connection = candidate
-                    break
-                await candidate.aclose()
+            connection = self._idle_connection(key)
             if connection is None:
-                connection = httpcore.AsyncHTTPConnection(
-                    origin, ssl_context=self._ssl_context, keepalive_expiry=self._keepalive_expiry,
-                    network_backend=_BACKEND)
-            response = await connection.handle_async_request(core_request)
-        except BaseException as exc:
-            # A connection in doubt (an error, a cancellation mid-request) is closed, never pooled; its
-            # slot is freed even if that close is itself cancelled.
-            try:
-                if connection is not None:
-                    await connection.aclose()
-            finally:
-                self._release()
-            _raise_mapped(exc)
-        return httpx.Response(status_code=response.status, headers=response.headers,
-                              stream=_Returning(self, key, connection, response), extensions=response.extensions)
+                connection = await self._connect(key, timeouts.get("connect"))
+            connection.begin(closing)
+            await connection.send(head, body, timeouts.get("write"))
+            if stream is not None:  # a body of unknown length, sent in chunks
+                async for chunk in stream:
+                    if chunk:
+                        await connection.send(b"%x\r\n" % len(chunk), chunk + b"\r\n", timeouts.get("write"))
+                await connection.send(b"0\r\n\r\n", b"", timeouts.get("write"))
+            await connection.wait_for_head(timeouts.get("read"))
+        except BaseException:
+            # Not pooled: an error or a cancellation left this connection in doubt.
+            if connection is not None:
+                connection.abort()
+            self._release()
+            raise
+        return key, connection
+
+    def _idle_connection(self, key: _Key) -> _Connection | None:
+        idle = self._idle.get(key)
+        while idle:
+            candidate = idle.pop()
+            if candidate.reusable(self._keepalive_expiry):
+                return candidate
+            candidate.abort()
+        return None
+
+    async def _connect(self, key: _Key, within: float | None) -> _Connection:
+        scheme, host, port = key
+        loop = asyncio.get_running_loop()
+        hostname = host.decode("ascii")
+        secure = scheme == b"https"
+        try:
+            async with asyncio.timeout(within):
+                _, connection = await loop.create_connection(
+                    lambda: _Connection(loop), hostname, port,
+                    ssl=self._ssl_context if secure else None, server_hostname=hostname if secure else None)
+        except TimeoutError:
+            raise httpx.ConnectTimeout(f"no connection to {hostname}:{port} within {within}s") from None
+        except OSError as exc:  # ssl.SSLError and socket.gaierror are OSErrors
+            raise httpx.ConnectError(str(exc) or type(exc).__name__) from exc
+        return connection
 
     def _release(self) -> None:
         if self._slots is not None:
             self._slots.release()
 
-    async def give_back(self, key: _Key, connection: httpcore.AsyncHTTPConnection) -> None:
-        """A response read to its end: its connection back among the idle ones (closed if it cannot serve
-        another request), and its slot free."""
+    def give_back(self, key: _Key, connection: _Connection) -> None:
+        """A response read to its end (or closed): its connection back among the idle ones when it can
+        serve another request (else closed), and its slot free."""
         try:
-            if connection.is_available() and not self._closed:
+            if connection.keep_alive and not self._closed:
+                connection.idle_since = asyncio.get_running_loop().time()
                 self._idle.setdefault(key, []).append(connection)
             else:
-                await connection.aclose()
+                connection.abort()
         finally:
-            self._release()  # even when the close is cancelled: a lost slot would shrink the pool for good
+            self._release()
 
     async def aclose(self) -> None:
         """Close the idle connections; a response still open closes its own when it is closed."""
@@ -143,264 +182,304 @@ class KeepAliveTransport(httpx.AsyncBaseTransport):
         idle, self._idle = self._idle, {}
         for connections in idle.values():
             for connection in connections:
-                await connection.aclose()
+                connection.close()
 
     @property
-    def connections(self) -> list[httpcore.AsyncHTTPConnection]:
-        """The idle connections, ready for a request."""
-        return [c for connections in self._idle.values() for c in connections]
+    def connections(self) -> int:
+        """How many idle connections are ready for a request."""
+        return sum(len(connections) for connections in self._idle.values())
 
 
-class _Returning(httpx.AsyncByteStream):
-    """The response body; closing it returns the connection (and its slot) to the pool."""
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """A whole HTTP answer, as :meth:`KeepAliveTransport.exchange` returns it."""
 
-    def __init__(self, transport: KeepAliveTransport, key: _Key, connection: httpcore.AsyncHTTPConnection,
-                 response: httpcore.Response) -> None:
-        self._transport, self._key, self._connection, self._response = transport, key, connection, response
+    status_code: int
+    raw_headers: list[tuple[bytes, bytes]]
+    content: bytes
+
+    def header(self, name: str) -> str | None:
+        """The first value of header ``name`` (any case), or ``None``."""
+        wanted = name.lower().encode("latin-1")
+        for key, value in self.raw_headers:
+            if key.lower() == wanted:
+                return value.decode("latin-1")
+        return None
+
+
+def _check_scheme(url: httpx.URL) -> None:
+    if url.raw_scheme not in (b"http", b"https"):
+        raise httpx.UnsupportedProtocol(f"unsupported scheme {url.scheme!r}")
+
+
+def _check_request(method: bytes, target: bytes, headers: list[tuple[bytes, bytes]]) -> None:
+    """Refuse what could split or confuse the request's head, as h11 refuses it."""
+    if not _TOKEN.fullmatch(method):
+        raise httpx.LocalProtocolError(f"illegal method {method!r}")
+    if method == b"HEAD":
+        raise httpx.UnsupportedProtocol("HEAD is not supported by this transport")
+    if not target or _BAD_TARGET.search(target):
+        raise httpx.LocalProtocolError("illegal request target")
+    for name, value in headers:
+        if not _TOKEN.fullmatch(name):
+            raise httpx.LocalProtocolError("illegal header name")
+        if _BAD_VALUE.search(value):
+            raise httpx.LocalProtocolError("illegal header value")
+
+
+async def _serialize(request: httpx.Request) -> tuple[bytes, bytes, bool]:
+    """The request's head, its body (when it is not streamed) and whether the body is streamed in
+    chunks."""
+    method, target, headers = request.method.encode("ascii"), request.url.raw_path, request.headers.raw
+    _check_request(method, target, headers)
+    lines = [method, b" ", target, b" HTTP/1.1\r\n"]
+    chunked = False
+    for name, value in headers:
+        if name.lower() == b"transfer-encoding":
+            chunked = value.strip().lower() == b"chunked"
+        lines += (name, b": ", value, b"\r\n")
+    lines.append(b"\r\n")
+    head = b"".join(lines)
+    if chunked:
+        return head, b"", True
+    try:
+        return head, request.content, False
+    except httpx.RequestNotRead:  # a streamed body with a Content-Length: read it, it is sent whole
+        return head, await request.aread(), False
+
+
+class _Body(httpx.AsyncByteStream):
+    """A response body still arriving; read to its end (or closed), it gives its connection back."""
+
+    def __init__(self, transport: KeepAliveTransport, key: _Key, connection: _Connection,
+                 timeout: float | None) -> None:
+        self._transport, self._key, self._connection, self._timeout = transport, key, connection, timeout
         self._done = False
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
+        connection = self._connection
         try:
-            async for chunk in self._response.aiter_stream():
+            while True:
+                chunk = await connection.next_chunk(self._timeout)
+                if not chunk:
+                    break
                 yield chunk
-        except BaseException as exc:
+        except BaseException:
             await self.aclose()
-            _raise_mapped(exc)
+            raise
+        if not self._done:
+            self._done = True
+            self._transport.give_back(self._key, connection)
 
     async def aclose(self) -> None:
         if self._done:
             return
         self._done = True
-        try:
-            await self._response.aclose()
-        except Exception as exc:
-            _raise_mapped(exc)
-        finally:
-            await self._transport.give_back(self._key, self._connection)
+        connection = self._connection
+        if not connection.complete:  # a body not read to its end: the connection is in doubt
+            connection.abort()
+        self._transport.give_back(self._key, connection)
 
 
-class _AsyncioBackend(httpcore.AsyncNetworkBackend):
-    """httpcore's network interface on asyncio's own transports, with streams that send a request's
-    head with its body.
-
-    httpcore's default backend runs on anyio, whose cancel scope, checkpoints and per-call attribute
-    maps around every read and write were a fifth of ``HttpCoordinator``'s CPU per creation (bench
-    coordinator). And httpcore writes the request head and each body chunk separately: a small POST
-    was two ``send`` calls and two TCP segments, and the server woke up (and parsed) twice.
-
-    Failures are httpcore's exceptions, as from its own backends: ``ConnectError``/``ConnectTimeout``
-    while connecting (TLS included), ``ReadError``/``ReadTimeout`` and ``WriteError``/``WriteTimeout``
-    after, so that :func:`_raise_mapped` makes the same httpx exceptions of them.
-    """
-
-    async def connect_tcp(self, host: str, port: int, timeout: float | None = None,
-                          local_address: str | None = None,
-                          socket_options: Iterable[httpcore.SOCKET_OPTION] | None = None,
-                          ) -> httpcore.AsyncNetworkStream:
-        loop = asyncio.get_running_loop()
-        pipe = _Pipe(loop)
-        try:
-            async with asyncio.timeout(timeout):
-                transport, _ = await loop.create_connection(
-                    lambda: pipe, host, port, local_addr=(local_address, 0) if local_address else None)
-        except TimeoutError:
-            raise httpcore.ConnectTimeout(f"no connection to {host}:{port} within {timeout}s") from None
-        except OSError as exc:
-            raise httpcore.ConnectError(str(exc)) from exc
-        stream = _AsyncioStream(transport, pipe)
-        _set_options(stream, socket_options)
-        return stream
-
-    async def connect_unix_socket(self, path: str, timeout: float | None = None,
-                                  socket_options: Iterable[httpcore.SOCKET_OPTION] | None = None,
-                                  ) -> httpcore.AsyncNetworkStream:
-        loop = asyncio.get_running_loop()
-        pipe = _Pipe(loop)
-        try:
-            async with asyncio.timeout(timeout):
-                transport, _ = await loop.create_unix_connection(lambda: pipe, path)
-        except TimeoutError:
-            raise httpcore.ConnectTimeout(f"no connection to {path} within {timeout}s") from None
-        except OSError as exc:
-            raise httpcore.ConnectError(str(exc)) from exc
-        stream = _AsyncioStream(transport, pipe)
-        _set_options(stream, socket_options)
-        return stream
-
-    async def sleep(self, seconds: float) -> None:
-        await asyncio.sleep(seconds)
-
-
-def _set_options(stream: _AsyncioStream, options: Iterable[httpcore.SOCKET_OPTION] | None) -> None:
-    sock = stream.get_extra_info("socket")
-    try:
-        for option in options or ():
-            sock.setsockopt(*option)
-    except OSError as exc:
-        stream.transport.abort()
-        raise httpcore.ConnectError(str(exc)) from exc
-
-
-_READ_HIGH_WATER = 262_144
-"""Bytes received and not read yet above which the socket is not read until they are."""
-
-
-class _Pipe(asyncio.Protocol):
-    """One connection's receive buffer and flow control; a read or a drain waits on a future of its own
-    (cleared when that wait ends, however it ends: a cancelled read leaves nothing behind)."""
+class _Connection(asyncio.Protocol):
+    """One HTTP/1.1 connection: its transport, its response parser, and the response in progress.
+    A read waits on a future of its own (cleared when that wait ends, however it ends)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
+        self._loop = loop
         self.transport: asyncio.Transport | None = None
-        self.buffer = bytearray()
-        self.eof = False
-        self.lost = False
-        self.error: Exception | None = None
-        self.write_paused = False
-        self.read_paused = False
-        self.waiter: asyncio.Future[None] | None = None
+        self._parser = httptools.HttpResponseParser(self)
+        self._waiter: asyncio.Future[None] | None = None
+        self.idle_since = 0.0
+        self._busy = False  # a request is out or its response is being read
+        self._dirty = False  # bytes or an EOF came with no request out: the stream is out of step
+        self._lost = False
+        self._eof = False
+        self._error: BaseException | None = None
+        self._write_paused = False
+        self._read_paused = False
+        self._closing_request = False
+        self._begin_response()
+
+    def _begin_response(self) -> None:
+        self.status = 0
+        self.reason = b""
+        self.headers: list[tuple[bytes, bytes]] = []
+        self._chunks: list[bytes] = []
+        self._buffered = 0
+        self.head_done = False
+        self.complete = False
+        self._until_close = False  # a body without a length: it ends at the close
+        self._server_keeps_alive = False
+        self._got_bytes = False
+
+    # What the pool asks
+
+    def reusable(self, expiry: float | None) -> bool:
+        return (not self._dirty and not self._lost and not self._eof and self.keep_alive
+                and (expiry is None or self._loop.time() - self.idle_since < expiry))
+
+    @property
+    def keep_alive(self) -> bool:
+        return (self.complete and not self._lost and not self._eof and not self._dirty
+                and not self._closing_request and self._server_keeps_alive)
+
+    def begin(self, closing: bool) -> None:
+        self._begin_response()
+        self._busy, self._closing_request = True, closing
+
+    async def send(self, head: bytes, body: bytes, within: float | None) -> None:
+        transport = self.transport
+        if transport is None or self._lost or transport.is_closing():
+            raise httpx.WriteError("the connection is closed")
+        transport.write(head + body if body else head)
+        while self._write_paused and not self._lost:
+            try:
+                await self._wait(within)
+            except TimeoutError:
+                raise httpx.WriteTimeout(f"nothing could be sent within {within}s") from None
+        if self._lost and self._error is not None and not self._got_bytes:
+            raise httpx.WriteError(str(self._error) or type(self._error).__name__)
+
+    async def wait_for_head(self, within: float | None) -> None:
+        while not self.head_done:
+            self._raise_if_failed(head=True)
+            try:
+                await self._wait(within)
+            except TimeoutError:
+                raise httpx.ReadTimeout(f"no response within {within}s") from None
+
+    async def next_chunk(self, within: float | None) -> bytes:
+        """The next part of the body, ``b""`` at its end."""
+        while not self._chunks:
+            if self.complete:
+                return b""
+            self._raise_if_failed(head=False)
+            try:
+                await self._wait(within)
+            except TimeoutError:
+                raise httpx.ReadTimeout(f"nothing was received within {within}s") from None
+        return self.take_body()
+
+    def take_body(self) -> bytes:
+        chunks, self._chunks, self._buffered = self._chunks, [], 0
+        if self._read_paused and self.transport is not None:
+            self._read_paused = False
+            self.transport.resume_reading()
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    def _raise_if_failed(self, *, head: bool) -> None:
+        if self._error is not None and not isinstance(self._error, OSError):
+            raise self._error  # the parser's verdict, already an httpx exception
+        if not self._lost and not self._eof:
+            return
+        if self._error is not None:
+            raise httpx.ReadError(str(self._error) or type(self._error).__name__)
+        if head:
+            raise httpx.RemoteProtocolError("Server disconnected without sending a response.")
+        raise httpx.RemoteProtocolError("peer closed connection without sending complete message body")
+
+    async def _wait(self, within: float | None) -> None:
+        waiter = self._waiter = self._loop.create_future()
+        try:
+            async with asyncio.timeout(within):
+                await waiter
+        finally:
+            self._waiter = None
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def abort(self) -> None:
+        self._busy = False
+        self._dirty = True
+        if self.transport is not None:
+            self.transport.abort()
+
+    def close(self) -> None:
+        self._dirty = True
+        if self.transport is not None:
+            self.transport.close()
+
+    # asyncio.Protocol
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
-        self.buffer += data
-        if len(self.buffer) > _READ_HIGH_WATER and self.transport is not None and not self.read_paused:
-            self.read_paused = True
+        if not self._busy or self.complete:
+            self._dirty = True  # nothing was asked: the next request could not trust this stream
+            self._wake()
+            return
+        self._got_bytes = True
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._fail(httpx.RemoteProtocolError("the server switched protocols"))
+        except httptools.HttpParserError as exc:
+            self._fail(httpx.RemoteProtocolError(f"the server's answer is not HTTP/1.1: {exc}"))
+        if self._buffered > _HIGH_WATER and self.transport is not None and not self._read_paused:
+            self._read_paused = True
             self.transport.pause_reading()
         self._wake()
 
-    def eof_received(self) -> None:
-        self.eof = True
+    def eof_received(self) -> bool | None:
+        self._eof = True
+        self._end_at_close()
         self._wake()
+        return None
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.lost, self.error = True, exc
+        self._lost = True
+        if exc is not None and self._error is None:
+            self._error = exc
+        self._end_at_close()
         self._wake()
 
     def pause_writing(self) -> None:
-        self.write_paused = True
+        self._write_paused = True
 
     def resume_writing(self) -> None:
-        self.write_paused = False
+        self._write_paused = False
         self._wake()
 
-    def _wake(self) -> None:
-        waiter = self.waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
+    def _end_at_close(self) -> None:
+        if self.head_done and self._until_close and not self.complete and self._error is None:
+            self.complete = True
 
-    async def wait(self, timeout: float | None) -> None:
-        """Until data, EOF, a loss or room to write arrives; ``TimeoutError`` after ``timeout``."""
-        waiter = self.waiter = self.loop.create_future()
-        try:
-            async with asyncio.timeout(timeout):
-                await waiter
-        finally:
-            self.waiter = None
+    def _fail(self, error: httpx.TransportError) -> None:
+        if self._error is None:
+            self._error = error
+        if self.transport is not None:
+            self.transport.abort()
 
+    # httptools' callbacks
 
-class _AsyncioStream(httpcore.AsyncNetworkStream):
-    """A connection as httpcore reads and writes it. The first write after a read (a request's head) is
-    held until the next write or read: only the head, never body bytes, so a streamed body still goes
-    out chunk by chunk, and a request without a body is flushed by the empty end-of-message write or
-    by the first read."""
+    def on_status(self, status: bytes) -> None:
+        self.reason += status
 
-    def __init__(self, transport: asyncio.Transport, pipe: _Pipe) -> None:
-        self.transport = transport
-        self._pipe = pipe
-        self._held = b""
-        self._holding = True
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers.append((name, value))
 
-    async def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
-        if self._held:
-            held, self._held = self._held, b""
-            await self._write(held, timeout)
-        self._holding = True
-        pipe = self._pipe
-        while not pipe.buffer and not pipe.eof and not pipe.lost:
-            try:
-                await pipe.wait(timeout)
-            except TimeoutError:
-                raise httpcore.ReadTimeout(f"nothing was received within {timeout}s") from None
-        if pipe.buffer:
-            chunk = bytes(pipe.buffer[:max_bytes])
-            del pipe.buffer[:max_bytes]
-            if pipe.read_paused and len(pipe.buffer) <= _READ_HIGH_WATER // 4:
-                pipe.read_paused = False
-                self.transport.resume_reading()
-            return chunk
-        if pipe.error is not None:
-            raise httpcore.ReadError(str(pipe.error) or type(pipe.error).__name__)
-        return b""  # the peer closed: httpcore makes of it what it means at that point
-
-    async def write(self, buffer: bytes, timeout: float | None = None) -> None:
-        if self._holding and not self._held and buffer:
-            self._held = buffer
+    def on_headers_complete(self) -> None:
+        status = self._parser.get_status_code()
+        if 100 <= status < 200:  # an interim answer (100 Continue, 103 Early Hints): the real one follows
+            self.reason, self.headers = b"", []
             return
-        held, self._held, self._holding = self._held, b"", False
-        data = held + buffer
-        if data:
-            await self._write(data, timeout)
+        self.status, self.head_done = status, True
+        self._server_keeps_alive = self._parser.should_keep_alive()  # as the head says (read it here: llhttp
+        # resets what it knows of a message once the message is complete)
+        names = {name.lower() for name, _ in self.headers}
+        self._until_close = (b"content-length" not in names and b"transfer-encoding" not in names
+                             and status not in (204, 304))
 
-    async def _write(self, data: bytes, timeout: float | None) -> None:
-        pipe = self._pipe
-        if pipe.lost or self.transport.is_closing():
-            error = pipe.error
-            raise httpcore.WriteError(str(error) if error is not None else "the connection is closed")
-        self.transport.write(data)
-        while pipe.write_paused and not pipe.lost:
-            try:
-                await pipe.wait(timeout)
-            except TimeoutError:
-                raise httpcore.WriteTimeout(f"nothing could be sent within {timeout}s") from None
-        if pipe.lost and pipe.error is not None:
-            raise httpcore.WriteError(str(pipe.error))
+    def on_body(self, body: bytes) -> None:
+        self._chunks.append(body)
+        self._buffered += len(body)
 
-    async def aclose(self) -> None:
-        # As anyio closes its streams: one turn of the loop for what is buffered, then the socket is
-        # closed for sure (in a finally: a close that is itself cancelled still closes).
-        self._held = b""
-        self.transport.close()
-        try:
-            await asyncio.sleep(0)
-        finally:
-            self.transport.abort()
-
-    async def start_tls(self, ssl_context: ssl.SSLContext, server_hostname: str | None = None,
-                        timeout: float | None = None) -> httpcore.AsyncNetworkStream:
-        loop, pipe = self._pipe.loop, self._pipe
-        try:
-            async with asyncio.timeout(timeout):
-                secured = await loop.start_tls(self.transport, pipe, ssl_context, server_hostname=server_hostname)
-        except TimeoutError:
-            self.transport.abort()
-            raise httpcore.ConnectTimeout(f"no TLS handshake within {timeout}s") from None
-        except (OSError, ssl.SSLError) as exc:  # ssl.SSLError is an OSError; named for the reader
-            self.transport.abort()
-            raise httpcore.ConnectError(str(exc)) from exc
-        except BaseException:
-            self.transport.abort()
-            raise
-        if secured is None:  # the loop found the connection closed under the handshake
-            raise httpcore.ConnectError("the connection closed during the TLS handshake")
-        pipe.transport = secured
-        return _AsyncioStream(secured, pipe)
-
-    def get_extra_info(self, info: str) -> Any:
-        transport = self.transport
-        if info == "is_readable":  # something arrived while idle (an EOF, a stray byte): not reusable
-            pipe = self._pipe
-            return bool(pipe.buffer) or pipe.eof or pipe.lost
-        if info == "ssl_object":
-            return transport.get_extra_info("ssl_object")
-        if info == "client_addr":
-            return transport.get_extra_info("sockname")
-        if info == "server_addr":
-            return transport.get_extra_info("peername")
-        if info == "socket":
-            return transport.get_extra_info("socket")
-        return None
-
-
-_BACKEND = _AsyncioBackend()
+    def on_message_complete(self) -> None:
+        if self.head_done:
+            self.complete = True
+            self._busy = False

@@ -127,7 +127,7 @@ async def test_an_idle_connection_past_keepalive_expiry_is_not_reused(recorder: 
     assert recorder.connections == 2
 
 
-async def _misbehaving(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+async def _misbehave(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
     head = await reader.readuntil(b"\r\n\r\n")
     path = head.split(b" ", 2)[1]
     if path == b"/garbage":
@@ -145,7 +145,15 @@ async def _misbehaving(reader: asyncio.StreamReader, writer: asyncio.StreamWrite
 async def test_failures_are_the_httpx_exceptions_httpx_own_transport_raises(path: str) -> None:
     """The exception map repeats httpx's (which is private): each failure must come out as the same
     httpx exception from both transports, so this fails if httpx or httpcore change theirs."""
-    server = await asyncio.start_server(_misbehaving, "127.0.0.1", 0)
+    handled = asyncio.Semaphore(0)  # one release per connection handled to its end
+
+    async def misbehaving(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await _misbehave(reader, writer)
+        finally:
+            handled.release()
+
+    server = await asyncio.start_server(misbehaving, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
     target = {"refused": f"http://127.0.0.1:{free_port()}/", "ftp": "ftp://127.0.0.1/"}.get(
         path, f"http://127.0.0.1:{port}{path}")
@@ -156,6 +164,9 @@ async def test_failures_are_the_httpx_exceptions_httpx_own_transport_raises(path
                 with pytest.raises(httpx.TransportError) as caught:
                     await client.get(target)
                 raised.append(caught.type)
+            if path.startswith("/"):  # the server saw the client go: its writer is closed
+                async with asyncio.timeout(5):
+                    await handled.acquire()
     finally:
         server.close()
         await server.wait_closed()
@@ -163,3 +174,129 @@ async def test_failures_are_the_httpx_exceptions_httpx_own_transport_raises(path
     assert raised[0] is {"/garbage": httpx.RemoteProtocolError, "/cut": httpx.RemoteProtocolError,
                          "/silent": httpx.ReadTimeout, "refused": httpx.ConnectError,
                          "ftp": httpx.UnsupportedProtocol}[path]
+
+
+async def _scripted(answers: list[bytes]) -> tuple[asyncio.Server, list[int]]:
+    """A server that answers each request it reads on a connection with the next of ``answers`` (raw
+    bytes), and records how many connections it was given."""
+    connections: list[int] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        connections.append(1)
+        try:
+            while answers:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                               if line.lower().startswith(b"content-length:")), 0)
+                await reader.readexactly(length)
+                answer = answers.pop(0)
+                writer.write(answer)
+                await writer.drain()
+                lowered = answer.lower()
+                if b"connection: close" in lowered or not (b"content-length" in lowered or b"chunked" in lowered):
+                    break  # as the answer said, or its body ends at the close
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    return await asyncio.start_server(handle, "127.0.0.1", 0), connections
+
+
+def _base(server: asyncio.Server) -> str:
+    return f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+
+
+async def test_chunked_close_delimited_and_interim_answers_are_read_whole() -> None:
+    server, connections = await _scripted([
+        b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n",
+        b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 201 Created\r\ncontent-length: 2\r\nx-a: 1\r\n\r\nok",
+        b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\n\r\nuntil the close",
+        b"HTTP/1.1 204 No Content\r\ncontent-length: 0\r\n\r\n",
+    ])
+    try:
+        async with httpx.AsyncClient(transport=KeepAliveTransport()) as client:
+            first = await client.post(_base(server) + "/a", content=b"x")
+            assert (first.status_code, first.text) == (200, "abcde")
+            second = await client.post(_base(server) + "/b", content=b"x")
+            assert (second.status_code, second.text, second.headers["x-a"]) == (201, "ok", "1")
+            assert second.reason_phrase == "Created"
+            third = await client.post(_base(server) + "/c", content=b"x")
+            assert (third.status_code, third.text) == (200, "until the close")
+            assert (await client.post(_base(server) + "/d", content=b"x")).status_code == 204
+    finally:
+        server.close()
+    assert len(connections) == 2  # the close-delimited answer ended its connection; the next took a new one
+
+
+async def test_connection_close_and_stray_bytes_keep_a_connection_out_of_the_pool() -> None:
+    server, connections = await _scripted([
+        b"HTTP/1.1 200 OK\r\ncontent-length: 1\r\nconnection: close\r\n\r\na",
+        b"HTTP/1.1 200 OK\r\ncontent-length: 1\r\n\r\nbEXTRA",  # bytes past the answer: out of step
+        b"HTTP/1.1 200 OK\r\ncontent-length: 1\r\n\r\nc",
+    ])
+    try:
+        async with httpx.AsyncClient(transport=KeepAliveTransport()) as client:
+            for expected in "abc":
+                assert (await client.post(_base(server) + "/", content=b"x")).text == expected
+                await asyncio.sleep(0.05)
+    finally:
+        server.close()
+    assert len(connections) == 3
+
+
+async def test_a_large_answer_streams_through_flow_control() -> None:
+    body = bytes(range(256)) * 8192  # 2 MiB: over the read high-water mark several times
+    server, _ = await _scripted([b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % len(body) + body])
+    try:
+        async with httpx.AsyncClient(transport=KeepAliveTransport()) as client:
+            async with client.stream("POST", _base(server) + "/", content=b"x") as response:
+                received = b""
+                async for chunk in response.aiter_raw():
+                    received += chunk
+                    await asyncio.sleep(0)
+        assert received == body
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize("header", [(b"x-a", b"1\r\nx-injected: 2"), (b"x a", b"1"), (b"x-a", b"\x00")])
+async def test_a_header_that_could_split_the_head_is_refused_before_anything_is_sent(
+        recorder: Recorder, header: tuple[bytes, bytes]) -> None:
+    transport = KeepAliveTransport()
+    with pytest.raises(httpx.LocalProtocolError):
+        await transport.exchange(b"POST", httpx.URL(url(recorder)), [header], b"", {})
+    async with httpx.AsyncClient(transport=transport) as client:
+        with pytest.raises(httpx.LocalProtocolError):
+            await client.post(url(recorder), headers=[header])
+    assert recorder.segments == []
+
+
+async def test_exchange_reads_the_whole_answer_and_reuses_the_connection(recorder: Recorder) -> None:
+    transport = KeepAliveTransport()
+    try:
+        for _ in range(3):
+            answer = await transport.exchange(b"POST", httpx.URL(url(recorder)), [(b"X-A", b"1")], b"{}", {})
+            assert (answer.status_code, answer.content, answer.header("Content-Length")) == (200, b"ok", "2")
+    finally:
+        await transport.aclose()
+    assert recorder.connections == 1
+    assert recorder.segments[0].startswith(b"POST /x HTTP/1.1\r\nHost: 127.0.0.1:")
+    assert recorder.segments[0].endswith(b"\r\nContent-Length: 2\r\nX-A: 1\r\n\r\n{}")
+
+
+async def test_a_cancelled_exchange_closes_its_connection_and_frees_its_slot(recorder: Recorder) -> None:
+    recorder.delay = 0.3
+    transport = KeepAliveTransport(limits=httpx.Limits(max_connections=1))
+    try:
+        stuck = asyncio.create_task(transport.exchange(b"POST", httpx.URL(url(recorder)), [], b"x", {}))
+        await asyncio.sleep(0.05)
+        stuck.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await stuck
+        recorder.delay = 0.0
+        answer = await transport.exchange(b"POST", httpx.URL(url(recorder)), [], b"y", {"pool": 1.0})
+        assert answer.content == b"ok"
+    finally:
+        await transport.aclose()
+    assert recorder.connections == 2  # the cancelled one was not pooled
