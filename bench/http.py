@@ -4,7 +4,8 @@ access log) on a fresh database (see :mod:`bench.http_servers`):
 
 - ceiling: no idempotency at all;
 - hand-written: an idempotency-key table a careful user writes on asyncpg, all in one transaction;
-- consumer-kit: ``IdempotencyKey`` + ``IdempotencyMiddleware``, the row written through ``ctx.connection``.
+- consumer-kit: ``IdempotencyKey(single_transaction=True, driver="asyncpg")`` in ``IdempotencyMiddleware``'s
+  prefix style, the row written through ``ctx.connection``.
 
 A round starts each side's server in turn (one at a time: each holds up to ``POOL`` connections),
 warms it up, empties the tables, gives it ``N`` requests with fresh keys, then the same ``N``
@@ -18,10 +19,11 @@ by the server's sockets), so that what limits a side shows.
 Targets: consumer-kit >= 1.0x the hand-written peer on new keys, its replays >= 3.0x the ceiling,
 its new keys >= 0.7x the ceiling.
 
-``CK_BENCH_N``, ``CK_BENCH_ROUNDS``; ``CK_BENCH_HTTP_EXTRA=kit-db,kit-prefix,floor`` adds consumer-kit
-through ``ctx.db``, consumer-kit in the middleware's prefix style, and the endpoint without a database
-(what the HTTP stack costs by itself: no side's replays can beat it). ``CK_BENCH_PROFILE=<dir>`` runs
-consumer-kit's servers under cProfile (a ``.prof`` a turn, warm-up included, written when it stops;
+``CK_BENCH_N``, ``CK_BENCH_ROUNDS``; ``CK_BENCH_HTTP_EXTRA=kit-db,kit-dependency,kit-two,floor`` adds
+consumer-kit through ``ctx.db``, claiming in a route dependency, on its default two transactions (and in
+a dependency), and the endpoint without a database (what FastAPI and uvicorn cost by themselves).
+``CK_BENCH_PROFILE=<dir>`` runs consumer-kit's servers under cProfile (a ``.prof`` a turn, warm-up included,
+written when it stops;
 the rates are then not comparable).
 """
 
@@ -84,10 +86,12 @@ SIDES = {side.name: side for side in (
     Side("floor", "floor: no database (HTTP stack alone)", "bench.http_servers:floor", {}, False, rows=0),
     Side("ceiling", "ceiling: no idempotency", "bench.http_servers:ceiling", {}, False),
     Side("handwritten", "hand-written key table, 1 txn", "bench.http_servers:handwritten", {}, True),
-    Side("kit", "consumer-kit, ctx.connection", "bench.http_servers:kit", {}, True),
-    Side("kit-db", "consumer-kit, ctx.db (SQLAlchemy)", "bench.http_servers:kit", {"BENCH_KIT_VIA": "db"}, True),
-    Side("kit-prefix", "consumer-kit, prefix middleware", "bench.http_servers:kit", {"BENCH_KIT_STYLE": "prefix"},
-         True),
+    Side("kit", "consumer-kit, 1 txn, prefix", "bench.http_servers:kit", {}, True),
+    Side("kit-db", "consumer-kit, 1 txn, prefix, ctx.db", "bench.http_servers:kit", {"BENCH_KIT_VIA": "db"}, True),
+    Side("kit-dependency", "consumer-kit, 1 txn, dependency", "bench.http_servers:kit",
+         {"BENCH_KIT_STYLE": "dependency"}, True),
+    Side("kit-two", "consumer-kit, 2 txns, dependency", "bench.http_servers:kit",
+         {"BENCH_KIT_STYLE": "dependency", "BENCH_KIT_TX": "two"}, True),
 )}
 
 

@@ -12,12 +12,14 @@ endpoint, ``POST /orders`` with a JSON ``{"sku", "quantity"}``: insert one row i
   the row and store the key with the response; commit. A request that fails rolls all of it back, so
   a retry runs again; two requests with one key never both run (the lock), and one that comes after
   the commit sees the stored row (PostgreSQL releases the lock only once the commit is visible).
-- ``kit``: consumer-kit's ``IdempotencyKey`` dependency and ``IdempotencyMiddleware``; the route writes
-  through ``ctx.connection`` (the asyncpg connection inside the transaction that stores the response,
-  the fastest way in) or, with ``BENCH_KIT_VIA=db``, through ``ctx.db`` (SQLAlchemy). With
-  ``BENCH_KIT_STYLE=prefix`` the middleware claims the key for the path itself (``keys=``, ``prefix=``)
-  and the route reads its context with ``idempotency_context``: a replay is then answered before
-  FastAPI routes the request.
+- ``kit``: consumer-kit's ``IdempotencyKey`` and ``IdempotencyMiddleware``, configured as a user who
+  wants this endpoint fast would: ``single_transaction=True`` (every effect is the row, so the key, the
+  row and the response commit together, as the hand-written peer's do), ``driver="asyncpg"`` (the route
+  writes through ``ctx.connection``, the asyncpg connection inside that transaction), and the
+  middleware's prefix style (``keys=``, ``prefix=``: a replay is answered before FastAPI routes the
+  request; the route reads its context with ``idempotency_context``). ``BENCH_KIT_STYLE=dependency``
+  claims in a route dependency instead, ``BENCH_KIT_TX=two`` takes the default two transactions (a
+  lease committed first), ``BENCH_KIT_VIA=db`` writes through ``ctx.db`` (SQLAlchemy).
 """
 
 # No ``from __future__ import annotations``: FastAPI reads the routes' annotations at run time, and
@@ -185,15 +187,17 @@ def kit() -> FastAPI:
     )
     app = ConsumerApp(settings)
     api = FastAPI(lifespan=lifespan(app))
-    keys = IdempotencyKey(app, namespace="orders", version=1)
-    if os.environ.get("BENCH_KIT_STYLE") == "prefix":
+    via_db = os.environ.get("BENCH_KIT_VIA", "connection") == "db"
+    keys = IdempotencyKey(app, namespace="orders", version=1, driver="sqlalchemy" if via_db else "asyncpg",
+                          single_transaction=os.environ.get("BENCH_KIT_TX") != "two")
+    if os.environ.get("BENCH_KIT_STYLE", "prefix") == "prefix":
         api.add_middleware(IdempotencyMiddleware, keys=keys, prefix="/orders", methods=("POST",))
         context = Depends(idempotency_context)
     else:
         api.add_middleware(IdempotencyMiddleware)
         context = Depends(keys)
 
-    if os.environ.get("BENCH_KIT_VIA", "connection") == "db":
+    if via_db:
 
         @api.post("/orders", status_code=201)
         async def create_order_db(order: Order, ctx: Annotated[IdempotentContext, context]) -> dict[str, Any]:

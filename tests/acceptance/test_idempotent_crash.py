@@ -166,6 +166,37 @@ async def test_a_worker_killed_inside_the_route_and_a_retrying_client(database_u
     assert key not in workers.output()
 
 
+async def test_in_one_transaction_a_worker_killed_inside_the_route_leaves_nothing_to_wait_for(
+        database_url: str, workers: Workers) -> None:
+    """``single_transaction=True``: the killed attempt's transaction dies with its connection, its key's
+    lock with it, so the retry runs at once as a first attempt (no lease to wait out, no 409)."""
+    doomed = await workers.serving()
+    key, ticket = f"crash-key-{uuid.uuid4().hex}", f"t-{uuid.uuid4().hex[:12]}"
+    order = {"ticket": ticket, "hang_once": True}
+    headers = {"Idempotency-Key": f'"{key}"'}
+    async with retrying_client(workers.base) as client:
+        request = asyncio.create_task(client.post("/one", json=order, headers=headers))
+        try:
+            await until(lambda: workers.inside(ticket, 1), "the first attempt inside the route")
+            doomed.kill()
+            await asyncio.to_thread(doomed.wait, 10)
+            await workers.serving()
+            answer = await asyncio.wait_for(request, 60)
+        finally:
+            request.cancel()
+        assert answer.status_code == 201, answer.text
+        assert answer.extensions["retry"].attempts_made >= 1
+        assert (answer.json()["ticket"], answer.json()["attempt"]) == (ticket, 1)  # nothing of the first was kept
+        assert effects(database_url, ticket) == [("one", 1)]
+        later = await client.post("/one", json=order, headers=headers)
+        assert (later.status_code, replayed(later), later.content) == (201, True, answer.content)
+        exposition = (await client.get("/ops/metrics")).text
+    counted = {s.labels["outcome"]: s.value for f in text_string_to_metric_families(exposition) for s in f.samples
+               if s.name == "consumer_kit_http_idempotent_requests_total" and s.labels["endpoint"] == "one"}
+    assert (counted["processed"], counted["replayed"], counted["in_progress"]) == (1, 1, 0)
+    assert key not in workers.output()
+
+
 async def test_a_completion_after_the_lease_was_taken_over_is_refused(database_url: str, workers: Workers) -> None:
     await workers.serving()
     key, ticket = f"lease-key-{uuid.uuid4().hex}", f"t-{uuid.uuid4().hex[:12]}"

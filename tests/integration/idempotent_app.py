@@ -49,6 +49,7 @@ class Order(BaseModel):
     ticket: str
     sleep: float = 0
     sleep_first: float = 0  # only on the operation's first attempt (ctx.attempt == 1)
+    hang_once: bool = False  # hang the first run of the ticket in any process (SIGNAL_DIR says which)
     gate: bool = False  # wait until POST /_test/gates/<ticket>
     raise_times: int = 0  # raise on this process's first n runs of the ticket
     unavailable_times: int = 0  # answer 503 on this process's first n runs of the ticket
@@ -111,6 +112,9 @@ def build(settings: Settings, *, tracer_provider: Any = None, telemetry: Telemet
                                  {"ticket": order.ticket, "route": route, "caller": ctx.caller, "attempt": ctx.attempt})
         if signal_dir:
             (Path(signal_dir) / f"{order.ticket}.{ctx.attempt}").write_text(str(os.getpid()))
+            if order.hang_once and not (hung := Path(signal_dir) / f"{order.ticket}.hung").exists():
+                hung.write_text(str(os.getpid()))
+                await asyncio.sleep(GATE_SECONDS * 4)
         if order.sleep_first and ctx.attempt == 1:
             await asyncio.sleep(order.sleep_first)
         if order.sleep:

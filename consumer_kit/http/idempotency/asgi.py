@@ -204,9 +204,10 @@ def _invalid_request(exc: Exception) -> bool:
     return isinstance(exc, RequestValidationError)
 
 
-def idempotency_context(request: Request) -> IdempotentContext:
-    """The context of a request whose key :class:`IdempotencyMiddleware` claimed for a prefix (usable as
-    a FastAPI dependency: ``ctx: IdempotentContext = Depends(idempotency_context)``)."""
+async def idempotency_context(request: Request) -> IdempotentContext:
+    """The context of a request whose key :class:`IdempotencyMiddleware` claimed for a prefix, as a
+    FastAPI dependency: ``ctx: IdempotentContext = Depends(idempotency_context)``. (A coroutine function:
+    FastAPI runs a plain function's dependency in a worker thread, a thread switch each request.)"""
     exchange = request.scope.get(SCOPE_KEY)
     if not isinstance(exchange, _Exchange) or exchange.operation is None:
         raise RuntimeError("no idempotent operation for this request: is it under IdempotencyMiddleware's "
