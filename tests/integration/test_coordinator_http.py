@@ -90,6 +90,24 @@ async def test_wire_answers(base_url: str) -> None:
         assert "caracal_idempotency_receipts " in metrics and "caracal_idempotency_oldest_seconds " in metrics
 
 
+async def test_routing_answers_as_an_http_server_should(base_url: str) -> None:
+    async with httpx.AsyncClient(base_url=base_url) as http:
+        unknown = await http.post("/v1/elsewhere", headers={"Authorization": "Bearer tok-a"})
+        assert unknown.status_code == 404
+        wrong = await http.get("/v1/sessions")
+        assert (wrong.status_code, wrong.headers["allow"]) == (405, "POST")
+        assert (await http.post("/healthz")).status_code == 405
+        assert (await http.get("/v1/sessions/s-1/end")).status_code == 405
+        head = await http.head("/healthz")
+        assert (head.status_code, head.content) == (200, b"")
+        health = await http.get("/healthz")
+        assert (health.json(), health.headers["content-type"]) == ({"status": "ok"}, "application/json")
+        unknown_action = await http.post("/v1/sessions/s-1/pause", headers={"Authorization": "Bearer tok-a"})
+        assert (unknown_action.status_code, unknown_action.json()) == (404, {"error": "not_found"})
+        ended = await http.post("/v1/sessions/s-1/end")  # no bearer: refused before the session is looked up
+        assert (ended.status_code, ended.json()) == (401, {"error": "unauthorized"})
+
+
 async def test_utf8_keys_cross_the_wire(base_url: str) -> None:
     coord = client(base_url)
     key = "caf\u00e9:v1:" + "\u00e9" * 100  # 200 UTF-8 bytes: valid
@@ -217,3 +235,43 @@ async def test_delegations_over_http(base_url: str) -> None:
     with pytest.raises(IdempotencyKeyConflict):
         await coord.create_delegation(request.model_copy(update={"scopes": ("write",)}), idempotency_key=KEY)
     await coord.aclose()
+
+
+async def test_the_served_app_sweeps_while_it_is_up_and_stops_sweeping_with_it(database_url: str) -> None:
+    from datetime import UTC, datetime, timedelta
+
+    from sqlalchemy import func
+
+    from consumer_kit.coordinator import EmbeddedCoordinator
+    from consumer_kit.coordinator.server import create_app
+    from consumer_kit.store import ensure_schema
+    from consumer_kit.testing.server import served_asgi
+
+    now = [datetime.now(UTC)]
+    settings = make_settings(database_url, idempotency_retention_seconds=10)
+    engine = create_engine(settings.database_url)
+    coordinator = EmbeddedCoordinator(engine, settings, clock=lambda: now[0], tenant="t-sweep", application="a")
+
+    async def receipts() -> int:
+        async with engine.connect() as conn:
+            return int((await conn.execute(select(func.count()).select_from(idempotency_receipts).where(
+                idempotency_receipts.c.tenant == "t-sweep"))).scalar_one())
+
+    try:
+        await ensure_schema(engine)
+        for n in range(3):
+            await coordinator.create_session(REQUEST, idempotency_key=f"sweep:v1:{n}")
+        assert await receipts() == 3
+        now[0] += timedelta(seconds=11)  # all three past their retention
+        async with served_asgi(create_app(coordinator, {}, sweep_interval=0.05), settings=settings):
+            async with asyncio.timeout(10):
+                while await receipts():  # noqa: ASYNC110 (polled: the sweep is the server's own)
+                    await asyncio.sleep(0.05)
+        await coordinator.create_session(REQUEST, idempotency_key="sweep:v1:after")
+        await asyncio.sleep(0.2)  # the server is gone: nothing sweeps any more
+        now[0] += timedelta(seconds=11)
+        await asyncio.sleep(0.2)
+        assert await receipts() == 1
+    finally:
+        await coordinator.close()
+        await engine.dispose()
