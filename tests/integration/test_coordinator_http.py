@@ -76,7 +76,7 @@ async def test_wire_answers(base_url: str) -> None:
         # (surrounding spaces cannot cross HTTP/1.1: parsers strip them; the client refuses them)
         for bad in ("", "x" * 256, "tab\there", "caf\u00e9" * 60):  # 240 characters, 300 UTF-8 bytes
             answer = await http.post("/v1/sessions", json=body,
-                                     headers={**auth, "Idempotency-Key": bad.encode("utf-8")})
+                                     headers={b"Authorization": b"Bearer tok-a", b"Idempotency-Key": bad.encode()})
             assert (answer.status_code, answer.json()) == (400, {"error": "invalid_idempotency_key"})
         for headers in ({"Authorization": "Bearer nope"}, {}, {"Authorization": "Basic tok-a"}):
             answer = await http.post("/v1/sessions", json=body, headers=headers)
