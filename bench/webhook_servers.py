@@ -1,8 +1,10 @@
-"""The two servers of the webhook benchmark, as uvicorn factories configured by the environment
-(``BENCH_DATABASE_URL``, ``BENCH_SECRET``, ``BENCH_SINGLE_TRANSACTION``, ``BENCH_DRIVER``).
+"""The two servers of the webhook benchmark, configured by the environment (``BENCH_DATABASE_URL``,
+``BENCH_SECRET``, ``BENCH_SINGLE_TRANSACTION``, ``BENCH_DRIVER``).
 
-- ``receiver``: consumer-kit's ``WebhookSource`` with ``StandardWebhooksVerifier``: verify, claim the
-  inbox on PostgreSQL, run a handler that inserts one row, complete.
+- ``app`` (for ``consumer-kit run bench.webhook_servers:app --port ...``, as a user serves a receiver;
+  ``receiver`` is the same as a uvicorn factory): consumer-kit's ``WebhookSource`` with
+  ``StandardWebhooksVerifier``: verify, claim the inbox on PostgreSQL, run a handler that inserts one
+  row, complete.
 - ``bare``: a plain Starlette endpoint that verifies with the ``standardwebhooks`` library and inserts
   one row with asyncpg: what a receiver without dedup looks like.
 """
@@ -10,6 +12,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from collections.abc import AsyncIterator
 from typing import Any
@@ -35,10 +38,22 @@ rows = Table(
 
 
 def receiver() -> Any:
-    """consumer-kit's receiver (``app.asgi()``)."""
+    """consumer-kit's receiver as a uvicorn factory (``app.asgi()``)."""
+    return receiver_app().asgi()
+
+
+def __getattr__(name: str) -> Any:
+    if name == "app":  # bench.webhook_servers:app, made from the environment when it is first asked for
+        return receiver_app()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+@functools.cache
+def receiver_app() -> ConsumerApp:
+    """consumer-kit's receiver, the app itself."""
     settings = Settings(
         database_url=os.environ["BENCH_DATABASE_URL"],
-        idempotency_hmac_key=os.environ["BENCH_HMAC_KEY"],  # type: ignore[arg-type]
+        idempotency_hmac_key=os.environ["BENCH_HMAC_KEY"],
         db_pool_size=POOL,
     )
     app = ConsumerApp(settings)
@@ -60,7 +75,7 @@ def receiver() -> Any:
         else:
             await ctx.db.execute(rows.insert().values(event=ctx.delivery.json()["type"]))
 
-    return app.asgi()
+    return app
 
 
 def bare() -> Starlette:

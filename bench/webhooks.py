@@ -1,10 +1,13 @@
 """Issue 5's benchmark: signed Standard Webhooks deliveries over loopback against uvicorn.
 
 consumer-kit's receiver (verify + inbox on PostgreSQL + a one-row handler) against a bare Starlette
-endpoint that verifies with the ``standardwebhooks`` library and inserts one row; each server is a
-uvicorn process of its own on 127.0.0.1 with the same flags, driven by the same client at the same
-concurrency (httpx on consumer-kit's keep-alive transport, so that the client's own CPU, on the same
-two cores, is small), with every request signed before the clock starts. The receiver's handler
+endpoint that verifies with the ``standardwebhooks`` library and inserts one row. Each is served as its
+users serve it, in a process of its own on 127.0.0.1, both on uvicorn's httptools protocol and uvloop:
+the receiver by ``consumer-kit run bench.webhook_servers:app --port`` (uvicorn behind consumer-kit's
+bounded HTTP gate, consumer_kit/http/server.py), the bare app by ``uvicorn --factory``; the receiver
+under plain ``uvicorn --factory`` too, for the record. All are driven by the same client at the same
+concurrency (httpx on consumer-kit's keep-alive transport), with every request signed before the
+clock starts. The receiver's handler
 writes its row through ``driver="asyncpg"``, as the bare endpoint does; it runs with
 ``single_transaction=True`` (the opt-in for handlers whose only effect is in the database, as here)
 and with the default two-transaction path, and, for the record, with ``ctx.db`` (SQLAlchemy). Rounds
@@ -85,13 +88,17 @@ async def _drive(port: int, requests: list[tuple[bytes, dict[str, str]]]) -> tup
         return await drive(requests, post, CONCURRENCY), failures
 
 
-async def _serve_and_drive(factory: str, env: dict[str, str], label: str) -> tuple[float, int]:
+async def _serve_and_drive(served: str, env: dict[str, str], label: str) -> tuple[float, int]:
+    """``served``: ``uvicorn:<factory>`` or ``consumer-kit:<app>``."""
     port = _free_port()
-    flags = ["--no-access-log", "--log-level", "warning", "--lifespan", "on"]
-    process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "uvicorn", "--factory", factory, "--host", "127.0.0.1", "--port", str(port),
-        *flags, cwd=ROOT, env={**os.environ, **env},
-    )
+    how, _, target = served.partition(":")
+    if how == "consumer-kit":
+        command = ["-m", "consumer_kit.cli", "--log-level", "WARNING", "run", target,
+                   "--host", "127.0.0.1", "--port", str(port)]
+    else:
+        command = ["-m", "uvicorn", "--factory", target, "--host", "127.0.0.1", "--port", str(port),
+                   "--no-access-log", "--log-level", "warning", "--lifespan", "on"]
+    process = await asyncio.create_subprocess_exec(sys.executable, *command, cwd=ROOT, env={**os.environ, **env})
     try:
         async with httpx.AsyncClient() as probe:
             for _ in range(300):
@@ -129,11 +136,13 @@ async def main() -> bool:
             "BENCH_HMAC_KEY": secrets.token_urlsafe(32),
         }
         asyncpg_env = {**env, "BENCH_DRIVER": "asyncpg"}
+        single_env = {**asyncpg_env, "BENCH_SINGLE_TRANSACTION": "1"}
         sides = {
-            "bare": ("bench.webhook_servers:bare", env),
-            "single": ("bench.webhook_servers:receiver", {**asyncpg_env, "BENCH_SINGLE_TRANSACTION": "1"}),
-            "double": ("bench.webhook_servers:receiver", asyncpg_env),
-            "single-db": ("bench.webhook_servers:receiver", {**env, "BENCH_SINGLE_TRANSACTION": "1"}),
+            "bare": ("uvicorn:bench.webhook_servers:bare", env),
+            "single": ("consumer-kit:bench.webhook_servers:app", single_env),
+            "double": ("consumer-kit:bench.webhook_servers:app", asyncpg_env),
+            "single-db": ("consumer-kit:bench.webhook_servers:app", {**env, "BENCH_SINGLE_TRANSACTION": "1"}),
+            "single-uvicorn": ("uvicorn:bench.webhook_servers:receiver", single_env),
         }
         rates: dict[str, list[float]] = {name: [] for name in sides}
         failures = dict.fromkeys(sides, 0)
@@ -153,9 +162,10 @@ async def main() -> bool:
         "single": "receiver, single transaction",
         "double": "receiver, two transactions",
         "single-db": "receiver, single transaction, ctx.db",
+        "single-uvicorn": "receiver, single transaction, plain uvicorn",
     }
     for name, label in labels.items():
-        line = f"  {label:<40} {statistics.median(rates[name]):8.0f} req/s  failed: {failures[name]}"
+        line = f"  {label:<44} {statistics.median(rates[name]):8.0f} req/s  failed: {failures[name]}"
         if name != "bare":
             line += f"  ratio {ratio(name):.2f}"
         print(line)
