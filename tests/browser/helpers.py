@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,7 +20,9 @@ from tests.integration.rabbit import publish, wait_until
 
 CHROMIUM = os.environ.get("CK_TEST_CHROMIUM", "/usr/bin/chromium")
 ROOT = Path(__file__).resolve().parents[2]
-SCREENSHOTS = ROOT / "docs" / "img"
+SCREENSHOTS_ENV = "CK_DOCS_SCREENSHOTS"
+"""Set (to anything), the screenshots replace the docs' (``CK_DOCS_SCREENSHOTS=1 make test``); unset, they
+are taken all the same, into a scratch directory, so that a test run leaves the checkout as it was."""
 OPERATOR_TOKEN = f"operator-{secrets.token_urlsafe(18)}"
 VIEWER_TOKEN = f"viewer-{secrets.token_urlsafe(18)}"
 
@@ -103,5 +106,11 @@ async def sign_in(page: Page, worker: Worker, token: str) -> None:
 
 
 async def screenshot(page: Page, name: str) -> None:
-    """Save the page as docs/img/console-<name>.png (the docs' screenshots come from here)."""
-    await page.screenshot(path=str(SCREENSHOTS / f"console-{name}.png"), full_page=False)
+    """Save the page as console-<name>.png: in docs/img with ``CK_DOCS_SCREENSHOTS`` set (the docs'
+    screenshots come from here), else in a scratch directory."""
+    docs = bool(os.environ.get(SCREENSHOTS_ENV))
+    folder = ROOT / "docs" / "img" if docs else Path(tempfile.gettempdir()) / "ck-screenshots"
+    folder.mkdir(parents=True, exist_ok=True)
+    taken = folder / f"console-{name}.png"
+    await page.screenshot(path=str(taken), full_page=False)
+    assert taken.stat().st_size > 1000, f"an empty screenshot of {name}"
