@@ -20,6 +20,7 @@ BENCHMARKS = {
     "cli": "bench.cli",
     "http": "bench.http",
     "console": "bench.console",
+    "scaleout": "bench.scaleout",
 }
 
 
