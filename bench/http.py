@@ -40,6 +40,7 @@ import socket
 import statistics
 import sys
 import time
+import uuid
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -101,15 +102,16 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _requests(port: int, label: str, count: int) -> list[bytes]:
-    """``count`` raw HTTP/1.1 requests, each with a key of its own."""
+def _requests(port: int, count: int) -> list[bytes]:
+    """``count`` raw HTTP/1.1 requests, each with a key of its own: a random UUID, as the draft advises
+    clients and as they send them (so a key table's index takes them at random places, not in order)."""
     built = []
     for i in range(count):
         body = json.dumps({"sku": f"sku-{i % 97}", "quantity": 1 + i % 5}).encode()
         built.append(b"".join((
             b"POST /orders HTTP/1.1\r\nHost: 127.0.0.1:%d\r\n" % port,
             b"Content-Type: application/json\r\n",
-            b'Idempotency-Key: "%s-%d"\r\n' % (label.encode(), i),
+            b'Idempotency-Key: "%s"\r\n' % str(uuid.uuid4()).encode(),
             b"Content-Length: %d\r\n\r\n" % len(body), body)))
     return built
 
@@ -309,10 +311,10 @@ class Server:
         return Phase(len(requests) / elapsed, statuses, replayed, client / elapsed, server / elapsed, db / elapsed,
                      busy, max(len(backends), len(after)))
 
-    async def turn(self, label: str, count: int, stats: asyncpg.Connection) -> Run:
+    async def turn(self, count: int, stats: asyncpg.Connection) -> Run:
         """New keys, then the same requests again; checked: every answer 201, every repeat of a side
         with idempotency a replay, its rows a key (the ceiling: a request)."""
-        measured = _requests(self.port, label, count)
+        measured = _requests(self.port, count)
         run = Run(await self.phase(measured, stats), await self.phase(measured, stats))
         rows = int(await stats.fetchval(f"SELECT count(*) FROM {self.side.table}"))
         wanted = count * self.side.rows * (1 if self.side.replays else 2)
@@ -348,9 +350,9 @@ async def _measure(names: list[str], dsn: str) -> dict[str, list[Run]]:
             for name in names if round_ % 2 == 0 else names[::-1]:
                 server = await Server.start(SIDES[name], env, f"{round_}")
                 try:
-                    await server.turn(f"{name}-{round_}-warm", WARMUP, stats)
+                    await server.turn(WARMUP, stats)
                     await _empty(stats, tables)
-                    runs[name].append(await server.turn(f"{name}-{round_}", N, stats))
+                    runs[name].append(await server.turn(N, stats))
                 finally:
                     await server.stop()
     finally:
