@@ -218,6 +218,7 @@ class Run:
     broker_cpu: float | None = None
     host_busy: float = 0.0
     backends: int = 0
+    backends_seen: int = 0
     database: dict[str, int] = field(default_factory=dict)
     counted: Counts | None = None
     problems: list[str] = field(default_factory=list)
@@ -335,12 +336,33 @@ def _tail(logs: Path) -> str:
     )
 
 
-async def _backends(stats: asyncpg.Connection, workers: list[asyncio.subprocess.Process]) -> list[int]:
-    ports: set[int] = set()
-    for worker in workers:
-        ports |= _local_ports(worker.pid, 5432)
-    rows = await stats.fetch("SELECT pid, client_port FROM pg_stat_activity WHERE datname = current_database()")
-    return [int(r["pid"]) for r in rows if r["client_port"] in ports]
+class BackendCpu:
+    """The CPU of the workers' database backends over the window, sampled every tenth of a second: a
+    pool may open and close connections under way (SQLAlchemy's overflow), so a backend first seen
+    after the window opened counts from its start, and one that ended counts up to its last sample (the
+    last tenth of a second of a backend that ends is missed)."""
+
+    def __init__(self) -> None:
+        self.seen: dict[int, list[float]] = {}  # pid: [CPU when the window opened (0 if later), last seen]
+        self.peak = 0
+
+    async def sample(
+        self, stats: asyncpg.Connection, workers: list[asyncio.subprocess.Process], *, opening: bool = False
+    ) -> None:
+        ports: set[int] = set()
+        for worker in workers:
+            ports |= _local_ports(worker.pid, 5432)
+        rows = await stats.fetch("SELECT pid, client_port FROM pg_stat_activity WHERE datname = current_database()")
+        pids = [int(r["pid"]) for r in rows if r["client_port"] in ports]
+        self.peak = max(self.peak, len(pids))
+        for pid in pids:
+            used = _cpu_seconds(pid)
+            if used:
+                self.seen.setdefault(pid, [used if opening else 0.0, used])[1] = used
+
+    @property
+    def seconds(self) -> float:
+        return sum(last - first for first, last in self.seen.values())
 
 
 async def _drain(
@@ -376,9 +398,9 @@ async def _drain(
                 await asyncio.sleep(0.02)
             # the window opens: every worker consumes
             started_at = await stats.fetchval("SELECT clock_timestamp()")
-            backends = await _backends(stats, workers)
+            backends = BackendCpu()
+            await backends.sample(stats, workers, opening=True)
             cpu = {w.pid: _cpu_seconds(w.pid) for w in workers}
-            db_cpu = {b: _cpu_seconds(b) for b in backends}
             broker_cpu = _cpu_seconds(broker) if broker else 0.0
             host = _host_jiffies()
             counted = Counts(proxy.counts.round_trips, proxy.counts.statements) if proxy else None
@@ -386,12 +408,12 @@ async def _drain(
             while int(await stats.fetchval("SELECT count(*) FROM scaleout_effects")) < count:
                 if time.monotonic() > deadline or any(w.returncode is not None for w in workers):
                     raise RuntimeError(f"the backlog was not drained: {_tail(logs)}")
-                await asyncio.sleep(0.2)
+                await backends.sample(stats, workers)
+                await asyncio.sleep(0.1)
             # the window closes at the last effect's commit time; CPU is read now (the workers are idle)
             worker_cpu = sum(_cpu_seconds(w.pid) - cpu[w.pid] for w in workers)
-            after = await _backends(stats, workers)
-            run.db_cpu = sum(_cpu_seconds(b) - db_cpu.get(b, 0.0) for b in set(backends) | set(after))
-            run.backends = max(len(backends), len(after))
+            await backends.sample(stats, workers)
+            run.db_cpu, run.backends, run.backends_seen = backends.seconds, backends.peak, len(backends.seen)
             run.broker_cpu = _cpu_seconds(broker) - broker_cpu if broker else None
             host_after = _host_jiffies()
             if proxy is not None and counted is not None:
@@ -477,12 +499,14 @@ def _report(runs: dict[str, list[Run]], counted: dict[str, Run]) -> None:
     )
     print(
         "  CPU in ms a message (workers summed, their database backends, RabbitMQ's beam.smp); busy in cores "
-        "over the window (host: everyone's); per message over the whole run: commits and rows written"
+        "over the window (host: everyone's); per message over the whole run: commits and rows written; "
+        "rollbacks in the whole run (start-up's included); database connections: most at once, and how many "
+        "backends were seen in the window"
     )
     header = (
         f"  {'path':<32} {'n':>2} {'msg/s':>6} {'eff':>5} | {'cpu ms/msg: wrk':>15} {'db':>5} {'mq':>5}"
         f" | {'busy: wrk':>9} {'db':>4} {'mq':>4} {'host':>4} | {'commit':>6} {'ins':>4} {'upd':>4} {'del':>4}"
-        f" | {'conns':>5}"
+        f" {'rb':>3} | {'conns':>5} {'seen':>4}"
     )
     print(header)
     for path, path_runs in runs.items():
@@ -497,10 +521,8 @@ def _report(runs: dict[str, list[Run]], counted: dict[str, Run]) -> None:
                 f"{run.per_message(broker):5.2f} | {run.cores(run.worker_cpu):9.2f} {run.cores(run.db_cpu):4.2f} "
                 f"{run.cores(broker):4.2f} {run.host_busy:4.2f} | {per['xact_commit']:6.2f} "
                 f"{per['tup_inserted']:4.2f} {per['tup_updated']:4.2f} {per['tup_deleted']:4.2f} | "
-                f"{run.backends:>5}"
+                f"{run.database['xact_rollback']:>3} | {run.backends:>5} {run.backends_seen:>4}"
             )
-            if run.database["xact_rollback"]:
-                print(f"    {run.database['xact_rollback']} rollbacks in the run")
     for path, run in counted.items():
         if run.counted:
             print(
