@@ -139,21 +139,28 @@ def replayed(answer: httpx.Response) -> bool:
     return bool(answer.headers.get("idempotency-replayed") == "true")
 
 
-async def test_a_worker_killed_inside_the_route_and_a_retrying_client(database_url: str, workers: Workers) -> None:
+async def killed_inside(workers: Workers, client: httpx.AsyncClient, path: str, order: dict[str, object],
+                        headers: dict[str, str]) -> httpx.Response:
+    """Send the request, SIGKILL the worker once its first attempt is inside the route, start another on
+    the same port: the answer the retrying client ends with."""
     doomed = await workers.serving()
+    request = asyncio.create_task(client.post(path, json=order, headers=headers))
+    try:
+        await until(lambda: workers.inside(str(order["ticket"]), 1), "the first attempt inside the route")
+        doomed.kill()
+        await asyncio.to_thread(doomed.wait, 10)
+        await workers.serving()  # a new worker on the same port
+        return await asyncio.wait_for(request, 60)
+    finally:
+        request.cancel()
+
+
+async def test_a_worker_killed_inside_the_route_and_a_retrying_client(database_url: str, workers: Workers) -> None:
     key, ticket = f"crash-key-{uuid.uuid4().hex}", f"t-{uuid.uuid4().hex[:12]}"
-    order = {"ticket": ticket, "sleep_first": 60}  # the first attempt hangs inside the route
+    order: dict[str, object] = {"ticket": ticket, "sleep_first": 60}  # the first attempt hangs inside the route
     headers = {"Idempotency-Key": f'"{key}"'}
     async with retrying_client(workers.base) as client:
-        request = asyncio.create_task(client.post("/jobs", json=order, headers=headers))
-        try:
-            await until(lambda: workers.inside(ticket, 1), "the first attempt inside the route")
-            doomed.kill()
-            await asyncio.to_thread(doomed.wait, 10)
-            await workers.serving()  # a new worker on the same port
-            answer = await asyncio.wait_for(request, 60)
-        finally:
-            request.cancel()
+        answer = await killed_inside(workers, client, "/jobs", order, headers)
         assert answer.status_code == 201, answer.text
         assert answer.extensions["retry"].attempts_made >= 1  # the client did retry
         body = answer.json()
@@ -170,20 +177,11 @@ async def test_in_one_transaction_a_worker_killed_inside_the_route_leaves_nothin
         database_url: str, workers: Workers) -> None:
     """``single_transaction=True``: the killed attempt's transaction dies with its connection, its key's
     lock with it, so the retry runs at once as a first attempt (no lease to wait out, no 409)."""
-    doomed = await workers.serving()
     key, ticket = f"crash-key-{uuid.uuid4().hex}", f"t-{uuid.uuid4().hex[:12]}"
-    order = {"ticket": ticket, "hang_once": True}
+    order: dict[str, object] = {"ticket": ticket, "hang_once": True}
     headers = {"Idempotency-Key": f'"{key}"'}
     async with retrying_client(workers.base) as client:
-        request = asyncio.create_task(client.post("/one", json=order, headers=headers))
-        try:
-            await until(lambda: workers.inside(ticket, 1), "the first attempt inside the route")
-            doomed.kill()
-            await asyncio.to_thread(doomed.wait, 10)
-            await workers.serving()
-            answer = await asyncio.wait_for(request, 60)
-        finally:
-            request.cancel()
+        answer = await killed_inside(workers, client, "/one", order, headers)
         assert answer.status_code == 201, answer.text
         assert answer.extensions["retry"].attempts_made >= 1
         assert (answer.json()["ticket"], answer.json()["attempt"]) == (ticket, 1)  # nothing of the first was kept

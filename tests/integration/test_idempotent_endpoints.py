@@ -501,22 +501,25 @@ async def test_a_key_seen_again_after_its_record_was_swept(client: Client) -> No
     assert outcomes(before, after, "late-run") == {"processed": 1, "replayed": 1}
 
 
-async def test_200_requests_at_once_with_one_key_run_it_once(client: Client) -> None:
+@pytest.mark.parametrize("path", ["/labels", "/one"])
+async def test_200_requests_at_once_with_one_key_run_it_once(client: Client, path: str) -> None:
     key, ticket = client.key(), client.ticket()
     order = {"ticket": ticket, "sleep": 0.05}
     limits = httpx.Limits(max_connections=200, max_keepalive_connections=200)
     async with httpx.AsyncClient(base_url=str(client.http.base_url), limits=limits, timeout=60) as many:
-        answers = await asyncio.gather(*(many.post("/labels", json=order, headers={"Idempotency-Key": quoted(key)})
+        answers = await asyncio.gather(*(many.post(path, json=order, headers={"Idempotency-Key": quoted(key)})
                                          for _ in range(200)))
     ran = [a for a in answers if a.status_code == 201 and not replayed(a)]
     assert len(ran) == 1, [a.status_code for a in answers]
     for answer in answers:
         if answer.status_code == 409:
             assert error(answer) == "request_in_progress" and int(answer.headers["retry-after"]) >= 1
+            # in one transaction on SQLite, whose one writer the first holds, the others wait and replay
+            assert not (path == "/one" and on_sqlite(client))
         else:
             assert (answer.status_code, answer.content) == (201, ran[0].content)
-    assert client.effects(ticket) == [("labels", None, 1)]
-    late = await client.post("/labels", key, order)
+    assert client.effects(ticket) == [(path.strip("/"), None, 1)]
+    late = await client.post(path, key, order)
     assert replayed(late) and late.content == ran[0].content
 
 
@@ -730,23 +733,6 @@ async def test_in_one_transaction_a_failure_leaves_nothing_behind(client: Client
     assert ran.status_code == 201 and not replayed(ran)
     assert client.effects(ticket) == [("one", None, 1)]
     assert replayed(await client.post("/one", key, order))
-
-
-async def test_in_one_transaction_200_requests_at_once_with_one_key_run_it_once(client: Client) -> None:
-    key, ticket = client.key(), client.ticket()
-    order = {"ticket": ticket, "sleep": 0.05}
-    limits = httpx.Limits(max_connections=200, max_keepalive_connections=200)
-    async with httpx.AsyncClient(base_url=str(client.http.base_url), limits=limits, timeout=60) as many:
-        answers = await asyncio.gather(*(many.post("/one", json=order, headers={"Idempotency-Key": quoted(key)})
-                                         for _ in range(200)))
-    ran = [a for a in answers if a.status_code == 201 and not replayed(a)]
-    assert len(ran) == 1, [a.status_code for a in answers]
-    for answer in answers:
-        if answer.status_code == 409:
-            assert error(answer) == "request_in_progress" and not on_sqlite(client)
-        else:
-            assert (answer.status_code, answer.content) == (201, ran[0].content)
-    assert client.effects(ticket) == [("one", None, 1)]
 
 
 async def test_in_one_transaction_a_key_seen_again_after_its_record_was_swept(client: Client) -> None:
