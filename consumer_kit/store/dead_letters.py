@@ -93,6 +93,12 @@ class ParkedGroup:
     oldest: datetime
     newest: datetime
 
+    @classmethod
+    def from_row(cls, row: Row) -> ParkedGroup:
+        """A group as a grouping statement reads it (``reason, source, parked, replayed, oldest, newest``)."""
+        return cls(reason=row["reason"], source=row["source"], parked=int(row["parked"]),
+                   replayed=int(row["replayed"] or 0), oldest=row["oldest"], newest=row["newest"])
+
 
 @dataclass(frozen=True, slots=True)
 class AuditEntry:
@@ -193,9 +199,7 @@ class DeadLetters:
         """Counts by reason and source, largest first."""
         async with self.database.connect() as ex:
             rows = await ex.fetch_all(sql.GROUP_DEAD_LETTERS, (where or ParkedFilter()).params)
-        return [ParkedGroup(reason=row["reason"], source=row["source"], parked=int(row["parked"]),
-                            replayed=int(row["replayed"] or 0), oldest=row["oldest"], newest=row["newest"])
-                for row in rows]
+        return [ParkedGroup.from_row(row) for row in rows]
 
     async def history(self, letter_id: str) -> builtins.list[AuditEntry]:
         """Every replay (and the discard) of one parked delivery, oldest first."""

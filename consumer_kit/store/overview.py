@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from consumer_kit.store.connections import Database
+from consumer_kit.store.dead_letters import ParkedGroup
 from consumer_kit.store.executor import Row
 from consumer_kit.store.sql import Statement
 
@@ -76,18 +77,6 @@ class Page:
 
 
 @dataclass(frozen=True, slots=True)
-class GroupCount:
-    """Parked deliveries of one reason from one source."""
-
-    reason: str
-    source: str
-    parked: int
-    replayed: int
-    oldest: datetime
-    newest: datetime
-
-
-@dataclass(frozen=True, slots=True)
 class Lease:
     """A key being run now: its digest, who holds it until when, and how many attempts it has had."""
 
@@ -126,13 +115,11 @@ class Overview:
             row = await ex.fetch_one(COUNT_GROUP, {"reason": reason, "source": source})
         return 0 if row is None else int(row["parked"])
 
-    async def groups(self, *, limit: int) -> list[GroupCount]:
+    async def groups(self, *, limit: int) -> list[ParkedGroup]:
         """The ``limit`` largest groups, by reason and source."""
         async with self.database.connect() as ex:
             rows = await ex.fetch_all(GROUPS, {"limit": limit})
-        return [GroupCount(reason=row["reason"], source=row["source"], parked=int(row["parked"]),
-                           replayed=int(row["replayed"] or 0), oldest=row["oldest"], newest=row["newest"])
-                for row in rows]
+        return [ParkedGroup.from_row(row) for row in rows]
 
     async def parked_per_minute(self, since: datetime, minutes: int) -> list[int]:
         """How many deliveries were parked in each of the ``minutes`` minutes from ``since``."""
