@@ -280,7 +280,8 @@ class ConsumerApp:
     async def _open_database(self) -> Database:
         """The engine and the store's database on it, the schema checked (SQLite: migrated)."""
         settings = self.settings
-        engine = create_engine(settings.database_url, pool_size=settings.db_pool_size)
+        engine = create_engine(settings.database_url, pool_size=settings.db_pool_size,
+                               pooler=settings.database_pooler)
         try:
             await ensure_schema(engine, app=AppMigrations.from_settings(settings))
         except BaseException:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr, ValidationError, field_validator
+from pydantic import Field, SecretStr, ValidationError, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from consumer_kit.errors import ConfigurationError
@@ -26,6 +26,10 @@ log = logging.getLogger("consumer_kit.settings")
 
 DEFAULT_DATABASE_URL = "sqlite+aiosqlite:///consumer-kit.db"
 _MIN_HMAC_KEY_BYTES = 16
+
+Pooler = Literal["none", "transaction"]
+"""What stands between consumer-kit and PostgreSQL (``DATABASE_POOLER``): nothing, or a pooler in
+transaction mode, which hands each transaction whichever server connection is free."""
 _KEY_ADVICE = (f"set it to a random value of at least {_MIN_HMAC_KEY_BYTES} bytes (the 43 characters of "
                "`python -c 'import secrets; print(secrets.token_urlsafe(32))'` are plenty)")
 
@@ -108,6 +112,10 @@ class Settings(BaseSettings):
         10, gt=0, description="Connections of each pool (SQLAlchemy's, which may overflow by as many again, and on "
         "PostgreSQL consumer-kit's own asyncpg pool); a delivery holds one from its claim to its commit (the docs' "
         "Handlers page: Databases and drivers).")
+    database_pooler: Pooler = Field(
+        "none", description="`transaction` when DATABASE_URL reaches PostgreSQL through a pooler in transaction "
+        "mode (PgBouncer's pool_mode = transaction): no prepared statement is kept past a transaction, and the outbox "
+        "relay polls instead of listening (the docs' Behind PgBouncer page).")
 
     coordinator_url: str | None = Field(None, description="An HTTP coordinator; unset = the embedded one.")
     coordinator_token: SecretStr | None = Field(None, description="Bearer token for COORDINATOR_URL.")
@@ -189,6 +197,15 @@ class Settings(BaseSettings):
                              f"(postgresql://user:password@host:5432/database, driver asyncpg or psycopg), "
                              f"{_not(url)}")
         return url
+
+    @field_validator("database_pooler")
+    @classmethod
+    def _pooled_postgresql(cls, value: Pooler, info: ValidationInfo) -> Pooler:
+        url = info.data.get("database_url", "")
+        if value != "none" and str(url).startswith("sqlite"):
+            raise ValueError(f"is {value!r} but DATABASE_URL is a SQLite file, which no pooler stands in front of: "
+                             "leave DATABASE_POOLER unset")
+        return value
 
     @field_validator("rabbitmq_url")
     @classmethod

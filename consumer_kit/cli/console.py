@@ -74,7 +74,8 @@ async def opened(settings: Settings, app: ConsumerApp | None) -> AsyncIterator[C
             finally:
                 await console.close()
         return
-    engine = create_engine(settings.database_url, pool_size=min(settings.db_pool_size, 4))
+    engine = create_engine(settings.database_url, pool_size=min(settings.db_pool_size, 4),
+                           pooler=settings.database_pooler)
     database: Database | None = None
     try:
         await check_schema(engine)  # a missing schema is refused, never created by a command that reads

@@ -22,7 +22,7 @@ async def schema(action: str) -> int:
 
     settings = settings_from_env()
     app = AppMigrations.from_settings(settings)
-    engine = create_engine(settings.database_url)
+    engine = create_engine(settings.database_url, pooler=settings.database_pooler)
     try:
         if action == "upgrade":
             await upgrade(engine, app=app)
@@ -59,7 +59,7 @@ async def refuse_missing(settings: Settings) -> None:
     """Refuse, rather than create, a database that is not there (for commands that only read)."""
     from consumer_kit.store import check_schema, create_engine
 
-    engine = create_engine(settings.database_url, pool_size=1)
+    engine = create_engine(settings.database_url, pool_size=1, pooler=settings.database_pooler)
     try:
         await check_schema(engine)
     finally:

@@ -233,7 +233,8 @@ class _Store:
         from consumer_kit.cli.running import settings_from_env
         from consumer_kit.store import Database, DeadLetters, check_schema, create_engine
 
-        self.engine = create_engine(settings_from_env().database_url, pool_size=2)
+        settings = settings_from_env()
+        self.engine = create_engine(settings.database_url, pool_size=2, pooler=settings.database_pooler)
         try:
             await check_schema(self.engine)
         except BaseException:

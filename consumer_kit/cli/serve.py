@@ -100,7 +100,7 @@ async def outbox_relay(app_target: str | None, app_dir: str | None = None) -> in
         from consumer_kit.sources.rabbitmq import AmqpPublisher
 
         publisher = AmqpPublisher(settings.require_rabbitmq_url(), settings=settings)
-    engine = create_engine(settings.database_url)
+    engine = create_engine(settings.database_url, pooler=settings.database_pooler)
     database = Database(engine)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

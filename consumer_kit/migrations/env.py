@@ -29,7 +29,8 @@ def _run(connection: Connection) -> None:
 
 
 async def _run_with_own_engine() -> None:
-    engine = create_engine(Settings().database_url)
+    settings = Settings()
+    engine = create_engine(settings.database_url, pooler=settings.database_pooler)
     async with engine.begin() as conn:
         await conn.run_sync(_run)
     await engine.dispose()

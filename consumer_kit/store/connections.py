@@ -23,6 +23,7 @@ from sqlalchemy import event
 from sqlalchemy.exc import DBAPIError, DisconnectionError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from consumer_kit.store.database import pooler_of
 from consumer_kit.store.driver_errors import connection_ended, ended_by_the_server, taken_back
 from consumer_kit.store.executor import AsyncpgExecutor, Executor, SqlAlchemyExecutor, to_the_end
 
@@ -70,6 +71,10 @@ class Database:
         self.can = POSTGRESQL if self.dialect == "postgresql" else SQLITE
         """What this database can do (see :class:`Capabilities`)."""
         self.asyncpg = engine.dialect.driver == "asyncpg"
+        self.pooler = pooler_of(engine)
+        """What stands between the store and PostgreSQL (``DATABASE_POOLER``, told to :func:`create_engine`):
+        behind a pooler in transaction mode, the store's own pool keeps no prepared statement and nothing
+        relies on a server connection's session (the outbox relay then polls instead of listening)."""
         self._pool: asyncpg.Pool | None = None
         self._opening: asyncio.Future[asyncpg.Pool] | None = None
         self._pool_size = pool_size or _pool_size(engine)
@@ -111,8 +116,11 @@ class Database:
         import asyncpg
 
         dsn = self.engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
+        # Behind a pooler in transaction mode no statement is cached: each is parsed where it runs, on
+        # the server connection of its own transaction (asyncpg's statement_cache_size=0).
+        cache = {"statement_cache_size": 0} if self.pooler == "transaction" else {}
         pool = await asyncpg.create_pool(dsn, min_size=1, max_size=self._pool_size, init=_json_codec,
-                                         reset=_transaction_scoped_reset)
+                                         reset=_transaction_scoped_reset, **cache)
         assert pool is not None
         self._pool = pool
         return pool

@@ -16,6 +16,8 @@ import asyncio
 import contextlib
 import functools
 import logging
+import secrets
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from importlib import resources
@@ -28,7 +30,7 @@ from alembic.script import ScriptDirectory
 from alembic.util.exc import CommandError
 from sqlalchemy import Connection, event, inspect, text
 from sqlalchemy.engine import ExceptionContext, make_url
-from sqlalchemy.exc import ArgumentError, NoSuchModuleError
+from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from consumer_kit.errors import ConfigurationError, DatabaseUnavailable, SchemaOutOfDate
@@ -39,7 +41,7 @@ from consumer_kit.store.diagnosis import dropped_because, safe_url, unavailable
 log = logging.getLogger("consumer_kit.store")
 
 if TYPE_CHECKING:
-    from consumer_kit.settings import Settings
+    from consumer_kit.settings import Pooler, Settings
 
 DEFERRED = "consumer_kit_sqlite_deferred"
 """Execution option: on SQLite, begin this connection's transactions DEFERRED instead of IMMEDIATE."""
@@ -48,13 +50,20 @@ VERSION_TABLE = "consumer_kit_alembic_version"
 """Alembic's bookkeeping table, named so that it cannot clash with the application's own Alembic."""
 
 
-def create_engine(url: str, *, pool_size: int = 20) -> AsyncEngine:
+POOLER = "consumer_kit_pooler"
+"""Engine execution option: what stands between the engine and PostgreSQL (``DATABASE_POOLER``), as
+:func:`create_engine` was told; the store's own pool and the outbox relay read it from the engine."""
+
+
+def create_engine(url: str, *, pool_size: int = 20, pooler: Pooler = "none") -> AsyncEngine:
     """An async engine for ``url`` with the settings consumer-kit relies on.
 
     SQLite gets WAL mode, a busy timeout (writers queue instead of failing at once) and
     ``BEGIN IMMEDIATE`` so that a read-then-write transaction cannot deadlock on lock upgrade. A URL
     that does not parse, or names a database consumer-kit cannot use, is a DatabaseUnavailable (whose
-    message never quotes the URL: it may hold a password).
+    message never quotes the URL: it may hold a password). ``pooler="transaction"``
+    (``DATABASE_POOLER``): PostgreSQL is reached through a pooler in transaction mode, so that the
+    drivers keep no prepared statement past a transaction (:func:`pooled_connect_args`).
     """
     try:
         scheme = make_url(url).drivername
@@ -72,6 +81,9 @@ def create_engine(url: str, *, pool_size: int = 20) -> AsyncEngine:
             return engine
         # No pre-ping: it costs a round trip per checkout. A connection that died is an error in
         # the pipeline, which retries the delivery; the pool then replaces it.
+        if pooler == "transaction":
+            return create_async_engine(url, pool_size=pool_size, max_overflow=pool_size, pool_recycle=1800,
+                                       connect_args=pooled_connect_args(scheme), execution_options={POOLER: pooler})
         return create_async_engine(url, pool_size=pool_size, max_overflow=pool_size, pool_recycle=1800)
     except ModuleNotFoundError as exc:
         extra = "psycopg" if "+psycopg" in scheme else "postgres"
@@ -79,6 +91,33 @@ def create_engine(url: str, *, pool_size: int = 20) -> AsyncEngine:
     except (NoSuchModuleError, ArgumentError, ValueError) as exc:
         raise DatabaseUnavailable(f"DATABASE_URL's driver {scheme!r} cannot be used ({type(exc).__name__}): "
                                   "use sqlite:///file.db or postgresql://…") from None
+
+
+def pooled_connect_args(scheme: str) -> dict[str, Any]:
+    """The driver's arguments for a pooler in transaction mode, which gives each transaction whichever
+    server connection is free: a statement prepared under a name in one transaction is not there in
+    the next (PgBouncer before 1.21 does not carry them over).
+
+    psycopg prepares nothing (``prepare_threshold=None``). asyncpg caches none (``statement_cache_size=0``:
+    its own statements are then parsed where they run, in the transaction that runs them); SQLAlchemy's
+    asyncpg adapter caches none either, and the one it still prepares for each statement (to learn the
+    result's columns) gets a name no other statement has, so that it never meets another's on a server
+    connection (SQLAlchemy's documented ``prepared_statement_name_func``)."""
+    if "+asyncpg" in scheme:
+        return {"statement_cache_size": 0, "prepared_statement_cache_size": 0,
+                "prepared_statement_name_func": _unique_statement_name}
+    return {"prepare_threshold": None}
+
+
+def _unique_statement_name() -> str:
+    return f"__consumer_kit_{uuid.uuid4().hex}__"
+
+
+def pooler_of(engine: AsyncEngine) -> Pooler:
+    """What stands between ``engine`` and its database, as :func:`create_engine` was told (an engine
+    made elsewhere: nothing)."""
+    said = engine.get_execution_options().get(POOLER, "none")
+    return "transaction" if said == "transaction" else "none"
 
 
 def _sqlite_pragmas(engine: AsyncEngine) -> None:
@@ -287,6 +326,60 @@ async def check_schema(engine: AsyncEngine, *, app: AppMigrations | None = None)
         if current != head:
             raise SchemaOutOfDate(f"the app's tables are at revision {current or 'none'}, APP_MIGRATIONS holds "
                                   f"{head}: run `consumer-kit db upgrade` first")
+    await refuse_an_unannounced_pooler(engine)
+
+
+UNANNOUNCED_POOLER = ("the database at {url} is reached through a pooler in transaction mode (PgBouncer's "
+                      "pool_mode = transaction: {sign}), which DATABASE_POOLER does not say: set "
+                      "DATABASE_POOLER=transaction")
+"""The one line that refuses to start behind a pooler that ``DATABASE_POOLER`` does not announce."""
+
+_PROBE = "consumer_kit.pooler_probe"
+# 42P05 duplicate_prepared_statement, 26000 invalid_sql_statement_name: a statement prepared under a name
+# by another client on the same server connection, or one of ours missing from the connection we were given.
+_PREPARED_STATEMENT_CLASH = ("42P05", "26000")
+
+
+async def refuse_an_unannounced_pooler(engine: AsyncEngine) -> None:
+    """Refuse (ConfigurationError, one line) to run on PostgreSQL behind a pooler in transaction mode
+    that ``DATABASE_POOLER`` does not announce: there, prepared statements fail at random under load,
+    and the outbox relay's LISTEN hears nothing.
+
+    There is no statement that asks a pooler what it is (PgBouncer's ``SHOW`` is for its admin console
+    only), so this looks for its effect: a session setting made on one connection and read on a second
+    one opened while the first is idle. Directly on PostgreSQL the second is another session and does not
+    see it; through a transaction pooler the second is given the server connection the first left
+    (PgBouncer hands out the one most recently freed), setting and prepared statements included."""
+    if engine.dialect.name != "postgresql" or pooler_of(engine) == "transaction":
+        return
+    mark = secrets.token_hex(8)
+    try:
+        async with engine.connect() as first:
+            # Deliberately session-wide (is_local false): the one thing a transaction pooler does not keep apart.
+            await first.execute(text("SELECT set_config(:name, :mark, false)"), {"name": _PROBE, "mark": mark})
+            await first.commit()
+            async with engine.connect() as second:
+                seen = await second.scalar(text("SELECT current_setting(:name, true)"), {"name": _PROBE})
+                await second.commit()
+            await first.execute(text("SELECT set_config(:name, '', false)"), {"name": _PROBE})
+            await first.commit()
+    except DBAPIError as exc:
+        if _sqlstate(exc) not in _PREPARED_STATEMENT_CLASH:
+            raise
+        sign = "another connection's prepared statement met ours"
+        raise ConfigurationError(UNANNOUNCED_POOLER.format(url=safe_url(engine.url), sign=sign)) from None
+    if seen == mark:
+        sign = "a second connection was given the first one's session"
+        raise ConfigurationError(UNANNOUNCED_POOLER.format(url=safe_url(engine.url), sign=sign))
+
+
+def _sqlstate(exc: DBAPIError) -> str | None:
+    # asyncpg's errors (under SQLAlchemy's adapter error, as its __cause__) and psycopg's carry it as sqlstate.
+    for error in (exc.orig, exc.orig.__cause__ if exc.orig is not None else None):
+        code = getattr(error, "sqlstate", None)
+        if isinstance(code, str):
+            return code
+    return None
 
 
 def sqlite_path(engine: AsyncEngine) -> Path | None:

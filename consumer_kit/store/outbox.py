@@ -215,6 +215,12 @@ class Outbox:
         if not self.database.asyncpg:
             yield False
             return
+        if self.database.pooler == "transaction":
+            # LISTEN belongs to a server connection's session, which a pooler in transaction mode hands
+            # to other clients between transactions: the notifications would go to whoever holds it. The
+            # relay polls (OUTBOX_POLL_SECONDS) instead.
+            yield False
+            return
 
         def notified(*_args: Any) -> None:
             wake()

@@ -69,7 +69,7 @@ def consumer_kit_source() -> InMemorySource:
 @async_fixture
 async def embedded_coordinator(consumer_kit_settings: Settings) -> AsyncIterator[EmbeddedCoordinator]:
     """An embedded coordinator on the temporary database, migrated; closed, and its engine disposed, afterwards."""
-    engine = create_engine(consumer_kit_settings.database_url)
+    engine = create_engine(consumer_kit_settings.database_url, pooler=consumer_kit_settings.database_pooler)
     coordinator = EmbeddedCoordinator(engine, consumer_kit_settings)
     try:
         await ensure_schema(engine)

@@ -62,7 +62,8 @@ async def served_coordinator(settings: Settings, tokens: dict[str, tuple[str, st
     ``tokens`` maps bearer -> (tenant, application)."""
     from consumer_kit.coordinator.server import create_app
 
-    engine = create_engine(settings.database_url, pool_size=settings.db_pool_size)
+    engine = create_engine(settings.database_url, pool_size=settings.db_pool_size,
+                           pooler=settings.database_pooler)
     coordinator = EmbeddedCoordinator(engine, settings)
     try:
         await ensure_schema(engine)

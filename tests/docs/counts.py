@@ -22,6 +22,7 @@ EXPECTED: dict[str, dict[str, int]] = {
     "docs/operating/compose.md": dict(found=3, run=1, written=0, checked=0, outputs=0, shown=0, not_run=2),
     "docs/operating/metrics.md": dict(found=9, run=4, written=1, checked=0, outputs=4, shown=0, not_run=0),
     "docs/operating/parked.md": dict(found=18, run=9, written=1, checked=0, outputs=8, shown=0, not_run=0),
+    "docs/operating/pgbouncer.md": dict(found=5, run=1, written=0, checked=2, outputs=1, shown=1, not_run=0),
     "docs/operating/tracing.md": dict(found=14, run=5, written=2, checked=1, outputs=5, shown=1, not_run=0),
     "docs/operating/troubleshooting.md": dict(found=10, run=4, written=2, checked=0, outputs=4, shown=0, not_run=0),
     "docs/reference.md": dict(found=4, run=1, written=0, checked=0, outputs=1, shown=2, not_run=0),
@@ -35,4 +36,4 @@ EXPECTED: dict[str, dict[str, int]] = {
     "docs/testing.md": dict(found=9, run=3, written=3, checked=0, outputs=3, shown=0, not_run=0),
 }
 
-TOTAL = dict(found=277, run=134, written=39, checked=2, outputs=93, shown=3, not_run=6)
+TOTAL = dict(found=282, run=135, written=39, checked=4, outputs=94, shown=4, not_run=6)
