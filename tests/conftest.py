@@ -262,6 +262,18 @@ async def pg_database(pg_url: str) -> AsyncIterator[str]:
     yield pg_url
 
 
+@pytest.fixture(scope="session")
+def pgbouncer_port(pg_url: str) -> Iterator[int]:
+    """A PgBouncer in transaction pool mode in front of the test server, for this run (:mod:`tests.pgbouncer`);
+    its port. Skipped only where ``pgbouncer`` is not installed."""
+    from tests import pgbouncer
+
+    if pgbouncer.executable() is None:
+        pytest.skip(pgbouncer.MISSING)
+    with pgbouncer.pgbouncer(pg_url) as port:
+        yield port
+
+
 @pytest.fixture
 def sqlite_url(tmp_path: Path) -> str:
     """A SQLite file of the test's own."""

@@ -175,9 +175,13 @@ async def _faults(db: asyncpg.Connection, url: str, worker: Worker, broker: Tran
 
 
 async def run(path: str, messages: int, kills: int, *, settle_seconds: float = 900, log_dir: Path | None = None,
-              seed: int | None = None, crash: bool = False, transport_name: str = "rabbitmq") -> Report:
+              seed: int | None = None, crash: bool = False, transport_name: str = "rabbitmq",
+              pgbouncer_port: int | None = None) -> Report:
     """One chaos run (see the module docstring) on ``transport_name``; ``crash``: on a database server of
-    its own (:class:`OwnServer`), crashed and started again instead of having its backends terminated."""
+    its own (:class:`OwnServer`), crashed and started again instead of having its backends terminated.
+    ``pgbouncer_port``: the worker (and its migration) reaches the database through the PgBouncer in
+    transaction mode there (:mod:`tests.pgbouncer`), with ``DATABASE_POOLER=transaction``; the run's own
+    counting stays on the server, and the database fault terminates the bouncer's server connections."""
     rng = random.Random(seed)
     token = secrets.token_hex(4)
     broker = transport(transport_name, token)
@@ -197,6 +201,10 @@ async def run(path: str, messages: int, kills: int, *, settle_seconds: float = 9
         env = dict(os.environ, DATABASE_URL=url, IDEMPOTENCY_HMAC_KEY=HMAC_KEY, CHAOS_PATH=path,
                    INBOX_LEASE_SECONDS="2", SHUTDOWN_GRACE_SECONDS="5", DB_POOL_SIZE="8",
                    OUTBOX_POLL_SECONDS="0.2", RETRY_LATER_SECONDS="0.5", **broker.env())
+        if pgbouncer_port is not None:
+            env.update(DATABASE_URL=url.replace("@127.0.0.1:5432/", f"@127.0.0.1:{pgbouncer_port}/"),
+                       DATABASE_POOLER="transaction")
+            assert env["DATABASE_URL"] != url, "the worker's DATABASE_URL does not name the bouncer"
         migrate = await asyncio.to_thread(
             subprocess.run, [str(Path(sys.executable).with_name("consumer-kit")), "db", "upgrade"], cwd=ROOT,
             env=env, capture_output=True, timeout=120)

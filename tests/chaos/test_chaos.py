@@ -46,6 +46,18 @@ async def test_a_database_server_crash_loses_and_doubles_nothing(path: str, tmp_
     assert (report.left_in_queue, report.unacked, report.parked) == (0, 0, 0), report.line()
 
 
+@pytest.mark.rabbitmq
+async def test_through_pgbouncer_kills_and_cuts_lose_and_double_nothing(pgbouncer_port: int, tmp_path: Path) -> None:
+    """The default path with the worker behind PgBouncer in transaction mode (DATABASE_POOLER=transaction):
+    the database fault terminates the bouncer's server connections under the worker's open ones."""
+    report = await run("default", messages=SMALL, kills=3, settle_seconds=240, log_dir=tmp_path,
+                       pgbouncer_port=pgbouncer_port)
+    print(report.line())
+    assert report.done_at_cut < report.messages and report.done_at_fault < report.messages, report.line()
+    assert (report.lost, report.doubled) == (0, 0), report.line()
+    assert (report.left_in_queue, report.unacked, report.parked) == (0, 0, 0), report.line()
+
+
 # NATS and Redis: the default path only, at a size that keeps each well under a minute; the broker
 # fault is their own server killed with SIGKILL and started again while the worker consumes.
 @pytest.mark.parametrize("transport_name", [
