@@ -26,6 +26,7 @@ EXPECTED: dict[str, dict[str, int]] = {
     "docs/operating/tracing.md": dict(found=14, run=5, written=2, checked=1, outputs=5, shown=1, not_run=0),
     "docs/operating/troubleshooting.md": dict(found=10, run=4, written=2, checked=0, outputs=4, shown=0, not_run=0),
     "docs/reference.md": dict(found=4, run=1, written=0, checked=0, outputs=1, shown=2, not_run=0),
+    "docs/scaling.md": dict(found=0, run=0, written=0, checked=0, outputs=0, shown=0, not_run=0),
     "docs/sources/cloudevents.md": dict(found=9, run=5, written=1, checked=0, outputs=3, shown=0, not_run=0),
     "docs/sources/nats.md": dict(found=12, run=6, written=4, checked=0, outputs=2, shown=0, not_run=0),
     "docs/sources/rabbitmq.md": dict(found=12, run=7, written=3, checked=0, outputs=2, shown=0, not_run=0),
