@@ -1,4 +1,5 @@
-"""Shared benchmark plumbing: a throw-away PostgreSQL database and a fixed-concurrency driver."""
+"""Shared benchmark plumbing: a throw-away PostgreSQL database, a fixed-concurrency driver, and what
+``/proc`` says of a process's CPU and its TCP connections."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import os
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from pathlib import Path
 from typing import TypeVar
 
 import asyncpg
@@ -115,3 +117,45 @@ async def drive(items: Sequence[T], work: Callable[[T], Awaitable[object]], conc
 def verdict(ratio: float, target: float) -> str:
     """``ok`` or ``BELOW TARGET``, for a ratio against its target."""
     return "ok" if ratio >= target else "BELOW TARGET"
+
+
+# --- what /proc says ----------------------------------------------------------------------------------
+
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU of a process so far (0 once it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError):
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / TICK
+
+
+def host_jiffies() -> tuple[int, int]:
+    """(busy, total) jiffies of the whole host so far."""
+    values = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = values[3] + values[4]
+    return sum(values) - idle, sum(values)
+
+
+def local_ports(pid: int, remote_port: int) -> set[int]:
+    """The local ports of ``pid``'s TCP connections to ``remote_port`` (its sockets' inodes, looked up in
+    the kernel's tables): what ``pg_stat_activity.client_port`` names a process's backends by."""
+    inodes = set()
+    with contextlib.suppress(FileNotFoundError):
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith("socket:["):
+                    inodes.add(target[8:-1])
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(FileNotFoundError), open(table) as lines:
+            next(lines)
+            for line in lines:
+                parts = line.split()
+                if parts[9] in inodes and int(parts[2].rsplit(":", 1)[1], 16) == remote_port:
+                    ports.add(int(parts[1].rsplit(":", 1)[1], 16))
+    return ports

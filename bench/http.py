@@ -48,7 +48,7 @@ from typing import cast
 
 import asyncpg
 
-from bench.common import scratch_database, verdict
+from bench.common import cpu_seconds, host_jiffies, local_ports, scratch_database, verdict
 from bench.http_servers import schema
 from consumer_kit.store import create_engine, upgrade
 
@@ -62,7 +62,6 @@ TARGET_REPLAY = 3.0
 TARGET_CEILING = 0.7
 PROFILE = os.environ.get("CK_BENCH_PROFILE")
 ROOT = Path(__file__).resolve().parents[1]
-TICK = os.sysconf("SC_CLK_TCK")
 PG_PORT = 5432
 
 
@@ -160,43 +159,6 @@ class _Connection(asyncio.Protocol):
         return self.waiter
 
 
-def _cpu_seconds(pid: int) -> float:
-    """User + system CPU of a process so far (0 once it is gone)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (FileNotFoundError, ProcessLookupError):
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / TICK
-
-
-def _host_jiffies() -> tuple[int, int]:
-    """(busy, total) jiffies of the whole host so far."""
-    values = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    idle = values[3] + values[4]
-    return sum(values) - idle, sum(values)
-
-
-def _database_ports(pid: int) -> set[int]:
-    """The local ports of ``pid``'s TCP connections to PostgreSQL (its sockets' inodes, found in the
-    kernel's tables): what ``pg_stat_activity.client_port`` names its backends by."""
-    inodes = set()
-    with contextlib.suppress(FileNotFoundError):
-        for fd in os.listdir(f"/proc/{pid}/fd"):
-            with contextlib.suppress(OSError):
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
-                if target.startswith("socket:["):
-                    inodes.add(target[8:-1])
-    ports = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with contextlib.suppress(FileNotFoundError), open(table) as lines:
-            next(lines)
-            for line in lines:
-                parts = line.split()
-                if parts[9] in inodes and int(parts[2].rsplit(":", 1)[1], 16) == PG_PORT:
-                    ports.add(int(parts[1].rsplit(":", 1)[1], 16))
-    return ports
-
-
 @dataclass
 class Phase:
     """One timed batch of requests against one server; CPU as cores busy over the phase."""
@@ -268,7 +230,7 @@ class Server:
 
     async def backends(self, stats: asyncpg.Connection) -> list[int]:
         """The pids of this server's database backends."""
-        ports = _database_ports(self.process.pid)
+        ports = local_ports(self.process.pid, PG_PORT)
         rows = await stats.fetch("SELECT pid, client_port FROM pg_stat_activity WHERE datname = current_database()")
         return [int(r["pid"]) for r in rows if r["client_port"] in ports]
 
@@ -293,8 +255,8 @@ class Server:
 
         pid = self.process.pid
         backends = await self.backends(stats)
-        db_before = {backend: _cpu_seconds(backend) for backend in backends}
-        server_before, host_before = _cpu_seconds(pid), _host_jiffies()
+        db_before = {backend: cpu_seconds(backend) for backend in backends}
+        server_before, host_before = cpu_seconds(pid), host_jiffies()
         client_before, started = time.process_time(), time.perf_counter()
         try:
             await asyncio.gather(*(worker(c) for c in connections))
@@ -304,9 +266,9 @@ class Server:
                 connection.transport.close()
         elapsed = time.perf_counter() - started
         client = time.process_time() - client_before
-        server, host_after = _cpu_seconds(pid) - server_before, _host_jiffies()
+        server, host_after = cpu_seconds(pid) - server_before, host_jiffies()
         after = await self.backends(stats)
-        db = sum(_cpu_seconds(backend) - db_before.get(backend, 0.0) for backend in set(backends) | set(after))
+        db = sum(cpu_seconds(backend) - db_before.get(backend, 0.0) for backend in set(backends) | set(after))
         busy = (host_after[0] - host_before[0]) / max(1, host_after[1] - host_before[1]) * (os.cpu_count() or 1)
         return Phase(len(requests) / elapsed, statuses, replayed, client / elapsed, server / elapsed, db / elapsed,
                      busy, max(len(backends), len(after)))

@@ -51,7 +51,7 @@ from pathlib import Path
 import aio_pika
 import asyncpg
 
-from bench.common import scratch_database
+from bench.common import cpu_seconds, host_jiffies, local_ports, scratch_database
 from bench.scaleout_app import EFFECTS_DDL
 from consumer_kit.sources.rabbitmq import DEFAULT_RETRY_DELAYS
 from consumer_kit.store import create_engine, upgrade
@@ -65,28 +65,11 @@ POOL = int(os.environ.get("CK_BENCH_POOL", "8"))
 PREFETCH = int(os.environ.get("CK_BENCH_SCALEOUT_PREFETCH", "32"))
 DRAIN_TIMEOUT = 600.0
 ROOT = Path(__file__).resolve().parents[1]
-TICK = os.sysconf("SC_CLK_TCK")
 CORES = os.cpu_count() or 1
 PATH_LABELS = {"two": "default path (two transactions)", "single": "single_transaction=True"}
 
 
 # --- what /proc says ----------------------------------------------------------------------------------
-
-
-def _cpu_seconds(pid: int) -> float:
-    """User + system CPU of a process so far (0 once it is gone)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (FileNotFoundError, ProcessLookupError):
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / TICK
-
-
-def _host_jiffies() -> tuple[int, int]:
-    """(busy, total) jiffies of the whole host so far."""
-    values = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    idle = values[3] + values[4]
-    return sum(values) - idle, sum(values)
 
 
 def _broker_pid() -> int | None:
@@ -97,28 +80,6 @@ def _broker_pid() -> int | None:
                 if Path(f"/proc/{entry}/comm").read_text().strip() == "beam.smp":
                     return int(entry)
     return None
-
-
-def _local_ports(pid: int, remote_port: int) -> set[int]:
-    """The local ports of ``pid``'s TCP connections to ``remote_port`` (its sockets' inodes, looked up in
-    the kernel's tables): what ``pg_stat_activity.client_port`` names its backends by. The same lookup as
-    :mod:`bench.http`'s, kept here so that this benchmark does not lean on that one's internals."""
-    inodes = set()
-    with contextlib.suppress(FileNotFoundError):
-        for fd in os.listdir(f"/proc/{pid}/fd"):
-            with contextlib.suppress(OSError):
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
-                if target.startswith("socket:["):
-                    inodes.add(target[8:-1])
-    ports = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with contextlib.suppress(FileNotFoundError), open(table) as lines:
-            next(lines)
-            for line in lines:
-                parts = line.split()
-                if parts[9] in inodes and int(parts[2].rsplit(":", 1)[1], 16) == remote_port:
-                    ports.add(int(parts[1].rsplit(":", 1)[1], 16))
-    return ports
 
 
 # --- counting round trips ------------------------------------------------------------------------------
@@ -351,12 +312,12 @@ class BackendCpu:
     ) -> None:
         ports: set[int] = set()
         for worker in workers:
-            ports |= _local_ports(worker.pid, 5432)
+            ports |= local_ports(worker.pid, 5432)
         rows = await stats.fetch("SELECT pid, client_port FROM pg_stat_activity WHERE datname = current_database()")
         pids = [int(r["pid"]) for r in rows if r["client_port"] in ports]
         self.peak = max(self.peak, len(pids))
         for pid in pids:
-            used = _cpu_seconds(pid)
+            used = cpu_seconds(pid)
             if used:
                 self.seen.setdefault(pid, [used if opening else 0.0, used])[1] = used
 
@@ -400,9 +361,9 @@ async def _drain(
             started_at = await stats.fetchval("SELECT clock_timestamp()")
             backends = BackendCpu()
             await backends.sample(stats, workers, opening=True)
-            cpu = {w.pid: _cpu_seconds(w.pid) for w in workers}
-            broker_cpu = _cpu_seconds(broker) if broker else 0.0
-            host = _host_jiffies()
+            cpu = {w.pid: cpu_seconds(w.pid) for w in workers}
+            broker_cpu = cpu_seconds(broker) if broker else 0.0
+            host = host_jiffies()
             counted = Counts(proxy.counts.round_trips, proxy.counts.statements) if proxy else None
             deadline = time.monotonic() + DRAIN_TIMEOUT
             while int(await stats.fetchval("SELECT count(*) FROM scaleout_effects")) < count:
@@ -411,11 +372,11 @@ async def _drain(
                 await backends.sample(stats, workers)
                 await asyncio.sleep(0.1)
             # the window closes at the last effect's commit time; CPU is read now (the workers are idle)
-            worker_cpu = sum(_cpu_seconds(w.pid) - cpu[w.pid] for w in workers)
+            worker_cpu = sum(cpu_seconds(w.pid) - cpu[w.pid] for w in workers)
             await backends.sample(stats, workers)
             run.db_cpu, run.backends, run.backends_seen = backends.seconds, backends.peak, len(backends.seen)
-            run.broker_cpu = _cpu_seconds(broker) - broker_cpu if broker else None
-            host_after = _host_jiffies()
+            run.broker_cpu = cpu_seconds(broker) - broker_cpu if broker else None
+            host_after = host_jiffies()
             if proxy is not None and counted is not None:
                 run.counted = Counts(
                     proxy.counts.round_trips - counted.round_trips, proxy.counts.statements - counted.statements
