@@ -1,12 +1,12 @@
 """The store's default path through PgBouncer in transaction pool mode, on asyncpg and on psycopg.
 
 The PostgreSQL integration tests that make up that path (claims and completions, leases and takeovers,
-the single-transaction and two-transaction paths, batches with their outbox writes) are collected here a
-second time, unchanged, with their database reached through the run's PgBouncer
-(:func:`tests.conftest.pgbouncer_port`) and ``DATABASE_POOLER=transaction`` set as a user sets it: in the
-environment, which every ``Settings`` reads, and given to ``create_engine`` as the app gives it. Not the
-whole suite: a second pass of it through a bouncer would double ``make test``. (The idempotent HTTP
-endpoints: ``test_pgbouncer_endpoints.py``.)
+the single-transaction and two-transaction paths, batches with their outbox writes, two outbox relays
+sharing the table) are collected here a second time, unchanged, with their database reached through
+the run's PgBouncer (:func:`tests.conftest.pgbouncer_port`) and ``DATABASE_POOLER=transaction`` set as a
+user sets it: in the environment, which every ``Settings`` reads, and given to ``create_engine`` as the
+app gives it. Not the whole suite: a second pass of it through a bouncer would double ``make test``.
+(The idempotent HTTP endpoints: ``test_pgbouncer_endpoints.py``.)
 
 Then what is PgBouncer's own: a pooler that DATABASE_POOLER does not announce is refused at start-up in
 one line, the outbox relay does not rely on LISTEN behind it, and two apps' claims and completions,
@@ -31,6 +31,12 @@ from tests.integration.test_batch import (  # noqa: F401
     test_a_key_twice_in_one_batch_runs_once,
     test_poison_and_flaky_deliveries_do_not_fail_their_batch,
 )
+from tests.integration.test_outbox_relay import (  # noqa: F401
+    app,
+    queue,
+    test_a_relay_killed_mid_batch_loses_nothing,
+    test_two_relays_publish_every_row_once,
+)
 from tests.integration.test_pipeline import (  # noqa: F401
     test_a_lease_the_database_lost_rolls_the_effect_back,
     test_concurrent_instances_run_once,
@@ -52,6 +58,8 @@ from tests.integration.test_store import (  # noqa: F401
 from tests.pgbouncer import through
 
 pytestmark = pytest.mark.postgres
+for _relayed in (test_a_relay_killed_mid_batch_loses_nothing, test_two_relays_publish_every_row_once):
+    pytest.mark.rabbitmq(_relayed)  # their own module marks them so; marks do not travel with an import
 
 POOLED = functools.partial(create_engine, pooler="transaction")
 """``create_engine`` as consumer-kit's own entry points call it with ``DATABASE_POOLER=transaction``."""
@@ -73,10 +81,14 @@ def _announced(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.fixture(params=["asyncpg", "psycopg"])
-async def bounced(request: pytest.FixtureRequest, pg_url: str, pgbouncer_port: int) -> str:
-    """The run's database, emptied, through the bouncer, on each driver."""
+async def bounced(request: pytest.FixtureRequest, pg_url: str, pgbouncer_port: int,
+                  monkeypatch: pytest.MonkeyPatch) -> str:
+    """The run's database, emptied, through the bouncer, on each driver (in the environment too, beside
+    DATABASE_POOLER, for the ``Settings()`` made without a URL)."""
     await truncate_all(pg_url)
-    return through(pg_url, pgbouncer_port).replace("+asyncpg://", f"+{request.param}://")
+    url = through(pg_url, pgbouncer_port).replace("+asyncpg://", f"+{request.param}://")
+    monkeypatch.setenv("DATABASE_URL", url)
+    return url
 
 
 @pytest.fixture
@@ -85,10 +97,12 @@ def database_url(bounced: str) -> str:
 
 
 @pytest.fixture
-async def pg_database(pg_url: str, pgbouncer_port: int) -> str:
+async def pg_database(pg_url: str, pgbouncer_port: int, monkeypatch: pytest.MonkeyPatch) -> str:
     """As the suite's ``pg_database``: on asyncpg (the tests that take it are asyncpg's), through the bouncer."""
     await truncate_all(pg_url)
-    return through(pg_url, pgbouncer_port)
+    url = through(pg_url, pgbouncer_port)
+    monkeypatch.setenv("DATABASE_URL", url)
+    return url
 
 
 @pytest.fixture

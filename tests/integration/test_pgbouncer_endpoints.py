@@ -51,6 +51,7 @@ def database(request: pytest.FixtureRequest, pgbouncer_port: int) -> Iterator[Bo
     """A database of the module's own, migrated, reached through the bouncer with
     ``DATABASE_POOLER=transaction``, for the module's tests on each driver."""
     with pytest.MonkeyPatch.context() as patch, migrated_database("ck_bounced") as direct:
-        patch.setenv("DATABASE_POOLER", "transaction")
         url = through(direct, pgbouncer_port).replace("+asyncpg://", f"+{request.param}://")
+        patch.setenv("DATABASE_URL", url)
+        patch.setenv("DATABASE_POOLER", "transaction")
         yield Bounced(url, direct)
