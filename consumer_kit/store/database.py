@@ -32,6 +32,7 @@ from sqlalchemy import Connection, event, inspect, text
 from sqlalchemy.engine import ExceptionContext, make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+from sqlalchemy.pool import NullPool
 
 from consumer_kit.errors import ConfigurationError, DatabaseUnavailable, SchemaOutOfDate
 from consumer_kit.extras import missing_extra
@@ -353,12 +354,14 @@ async def refuse_an_unannounced_pooler(engine: AsyncEngine) -> None:
     if engine.dialect.name != "postgresql" or pooler_of(engine) == "transaction":
         return
     mark = secrets.token_hex(8)
+    # The second connection is not the engine's: its pool may have room for one only.
+    other = create_async_engine(engine.url, poolclass=NullPool)
     try:
         async with engine.connect() as first:
             # Deliberately session-wide (is_local false): the one thing a transaction pooler does not keep apart.
             await first.execute(text("SELECT set_config(:name, :mark, false)"), {"name": _PROBE, "mark": mark})
             await first.commit()
-            async with engine.connect() as second:
+            async with other.connect() as second:
                 seen = await second.scalar(text("SELECT current_setting(:name, true)"), {"name": _PROBE})
                 await second.commit()
             await first.execute(text("SELECT set_config(:name, '', false)"), {"name": _PROBE})
@@ -368,6 +371,8 @@ async def refuse_an_unannounced_pooler(engine: AsyncEngine) -> None:
             raise
         sign = "another connection's prepared statement met ours"
         raise ConfigurationError(UNANNOUNCED_POOLER.format(url=safe_url(engine.url), sign=sign)) from None
+    finally:
+        await other.dispose()
     if seen == mark:
         sign = "a second connection was given the first one's session"
         raise ConfigurationError(UNANNOUNCED_POOLER.format(url=safe_url(engine.url), sign=sign))
