@@ -297,7 +297,7 @@ async def serve(settings: Settings, *, host: str = "127.0.0.1", port: int = 8080
     if not tokens:
         log.warning("COORDINATOR_TOKENS is empty: every request will be refused with 401")
     sock = listen(host, port)  # a port that is taken stops us before anything is opened
-    engine = create_engine(settings.database_url, pool_size=settings.db_pool_size)
+    engine = create_engine(settings.database_url, pool_size=settings.db_pool_size, pooler=settings.database_pooler)
     coordinator = EmbeddedCoordinator(engine, settings, digester=settings.digester())
     try:
         await unless_stopped(ensure_schema(engine), stop)
