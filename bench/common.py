@@ -39,6 +39,20 @@ async def scratch_database() -> AsyncIterator[str]:
 
 
 @contextlib.asynccontextmanager
+async def migrated_database() -> AsyncIterator[str]:
+    """:func:`scratch_database` with consumer-kit's schema at head; yields its plain URL."""
+    from consumer_kit.store import create_engine, upgrade
+
+    async with scratch_database() as dsn:
+        engine = create_engine(dsn.replace("postgresql://", "postgresql+asyncpg://"))
+        try:
+            await upgrade(engine)
+        finally:
+            await engine.dispose()
+        yield dsn
+
+
+@contextlib.asynccontextmanager
 async def queue_database() -> AsyncIterator[str]:
     """:func:`scratch_database` migrated to head, with the hand-rolled peers' inbox and effect tables
     (the queue benchmarks' handlers all write one ``bench_effects`` row); yields its plain URL."""

@@ -48,9 +48,8 @@ from typing import cast
 
 import asyncpg
 
-from bench.common import cpu_seconds, host_jiffies, local_ports, scratch_database, verdict
+from bench.common import cpu_seconds, host_jiffies, local_ports, migrated_database, verdict
 from bench.http_servers import schema
-from consumer_kit.store import create_engine, upgrade
 
 N = int(os.environ.get("CK_BENCH_N", "3000"))
 WARMUP = 400
@@ -327,12 +326,7 @@ async def main() -> bool:
     target is met and every request was answered as it should be."""
     extra = [n for n in os.environ.get("CK_BENCH_HTTP_EXTRA", "").split(",") if n]
     names = ["ceiling", "handwritten", "kit", *extra]
-    async with scratch_database() as dsn:
-        engine = create_engine(dsn.replace("postgresql://", "postgresql+asyncpg://"))
-        try:
-            await upgrade(engine)
-        finally:
-            await engine.dispose()
+    async with migrated_database() as dsn:
         conn = await asyncpg.connect(dsn)
         try:
             for statement in schema([SIDES[n].table for n in names]):

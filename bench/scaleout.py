@@ -51,10 +51,9 @@ from pathlib import Path
 import aio_pika
 import asyncpg
 
-from bench.common import cpu_seconds, host_jiffies, local_ports, scratch_database
+from bench.common import cpu_seconds, host_jiffies, local_ports, migrated_database
 from bench.scaleout_app import EFFECTS_DDL
 from consumer_kit.sources.rabbitmq import DEFAULT_RETRY_DELAYS
-from consumer_kit.store import create_engine, upgrade
 
 AMQP_URL = os.environ.get("CK_BENCH_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/")
 N = int(os.environ.get("CK_BENCH_N", "20000"))
@@ -430,12 +429,7 @@ async def main() -> bool:
     counted: dict[str, Run] = {}
     with tempfile.TemporaryDirectory(prefix="ck-bench-scaleout-") as folder:
         logs = Path(folder)
-        async with scratch_database() as dsn:
-            engine = create_engine(dsn.replace("postgresql://", "postgresql+asyncpg://"))
-            try:
-                await upgrade(engine)
-            finally:
-                await engine.dispose()
+        async with migrated_database() as dsn:
             stats = await asyncpg.connect(dsn)
             try:
                 await stats.execute(EFFECTS_DDL)
