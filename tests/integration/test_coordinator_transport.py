@@ -196,7 +196,7 @@ async def _scripted(answers: list[bytes]) -> tuple[asyncio.Server, list[int]]:
                 if b"connection: close" in lowered or not (b"content-length" in lowered or b"chunked" in lowered):
                     break  # as the answer said, or its body ends at the close
         except (asyncio.IncompleteReadError, ConnectionError):
-            pass
+            return  # the client hung up: nothing more to answer (the connection is closed below)
         finally:
             writer.close()
 
