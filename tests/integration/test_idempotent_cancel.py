@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 
 import httpx
+import pytest
 from fastapi import Depends, FastAPI
 from sqlalchemy import text
 from sqlalchemy.pool import QueuePool
@@ -16,11 +17,13 @@ from consumer_kit.http.idempotency import IdempotencyKey, IdempotencyMiddleware,
 from tests.conftest import make_settings
 
 
-async def test_a_request_cancelled_inside_its_route_rolls_back_and_gives_its_key_back(database_url: str) -> None:
+@pytest.mark.parametrize("single_transaction", [False, True], ids=["two-transactions", "one-transaction"])
+async def test_a_request_cancelled_inside_its_route_rolls_back_and_gives_its_key_back(
+        database_url: str, single_transaction: bool) -> None:
     app = ConsumerApp(make_settings(database_url, inbox_lease_seconds=60))
     api = FastAPI()
     api.add_middleware(IdempotencyMiddleware)
-    keys = IdempotencyKey(app, namespace="cancel", version=1)
+    keys = IdempotencyKey(app, namespace="cancel", version=1, single_transaction=single_transaction)
     inside, hold = asyncio.Event(), asyncio.Event()
 
     @api.post("/things", status_code=201)
