@@ -21,6 +21,8 @@ BENCHMARKS = {
     "http": "bench.http",
     "console": "bench.console",
     "scaleout": "bench.scaleout",
+    "soak": "bench.soak",
+    "store": "bench.store",
 }
 
 
