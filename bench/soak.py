@@ -18,11 +18,16 @@ What runs, against a scratch PostgreSQL database migrated to head:
 - **the long transaction**: from minute ``CK_BENCH_SOAK_LONG`` (``start,end``; by default from 45% to 65%
   of the run) a REPEATABLE READ transaction, as a report query opens, reads another table and stays
   open: its snapshot holds back what vacuum may remove in every table of the database;
-- **autovacuum** as PostgreSQL ships it, with whatever the migrations set on the tables.
+- **autovacuum** as PostgreSQL ships it, with whatever the migrations set on the tables. Where the
+  server runs with ``autovacuum = off`` (this machine's CI configuration does), the soak stands in for
+  it on the two tables: every ``autovacuum_naptime`` it runs ``VACUUM`` (and ``ANALYZE``) on a table whose
+  dead, inserted or changed rows passed autovacuum's thresholds (the server's settings, or the table's
+  own storage parameters), throttled by the same cost delay and limit autovacuum uses.
 
 Every minute: keys/s started and completed, claim p50/p99 (the claim statement's time, ms), rows swept
 a second, the inbox's live and dead rows (``pg_stat_user_tables``), the inbox's heap and index size,
-the tombstones' rows and total size, the autovacuums run on either so far, and the share of the
+the tombstones' rows and total size, the longest sweep of the minute (seconds), the vacuums run on
+either so far, and the share of the
 minute's completions that were heap-only updates (no index entries written). At the end, the steady-state
 verdicts the issue names: every minute's claim p99 within 1.5x of the first minute's; the size flat
 after the first retention period (the last five minutes grow by at most 5%); and rows swept at least
@@ -78,6 +83,7 @@ class Minute:
     completed: int = 0
     claims: list[float] = field(default_factory=list)
     swept: int = 0
+    sweep_seconds: float = 0.0  # the longest sweep that ended in the minute
 
 
 class Load:
@@ -152,7 +158,64 @@ async def _sweep_forever(inbox: Inbox, load: Load, settings: _Defaults) -> None:
     """The worker's sweeper loop (``ConsumerApp._sweep_forever``), counting into the load's minute."""
     while True:
         await asyncio.sleep(settings.sweep_interval_seconds)
-        load.minute.swept += await inbox.sweep(batch_size=settings.sweep_batch_size)
+        began = time.perf_counter()
+        swept = await inbox.sweep(batch_size=settings.sweep_batch_size)
+        load.minute.swept += swept
+        load.minute.sweep_seconds = max(load.minute.sweep_seconds, time.perf_counter() - began)
+
+
+class Autovacuum:
+    """What autovacuum would do to the inbox and its tombstones, for a server that runs without it: the
+    same thresholds (a table's storage parameters over the server's settings), checked every naptime,
+    and the same cost-based throttle. Counts the vacuums it ran."""
+
+    TABLES = ("inbox", "inbox_tombstones")
+
+    def __init__(self, dsn: str) -> None:
+        self.dsn = dsn
+        self.vacuums = 0
+
+    async def forever(self) -> None:
+        conn = await asyncpg.connect(self.dsn, command_timeout=None)
+        try:
+            server = {r["name"]: float(r["setting"]) for r in await conn.fetch(
+                "SELECT name, setting FROM pg_settings"
+                " WHERE name LIKE 'autovacuum%' AND vartype IN ('integer', 'real')")}
+            limit = int(server["autovacuum_vacuum_cost_limit"])
+            await conn.execute(f"SET vacuum_cost_delay = {server['autovacuum_vacuum_cost_delay']}")
+            if limit > 0:
+                await conn.execute(f"SET vacuum_cost_limit = {limit}")
+            while True:
+                await asyncio.sleep(server["autovacuum_naptime"])
+                for table in self.TABLES:
+                    await self._visit(conn, table, server)
+        finally:
+            await conn.close()
+
+    async def _visit(self, conn: asyncpg.Connection, table: str, server: dict[str, float]) -> None:
+        row = await conn.fetchrow(
+            "SELECT c.reltuples, c.reloptions, s.n_dead_tup, s.n_ins_since_vacuum, s.n_mod_since_analyze"
+            " FROM pg_class c JOIN pg_stat_user_tables s ON s.relid = c.oid WHERE c.relname = $1", table)
+        own = dict(option.split("=", 1) for option in row["reloptions"] or [])
+
+        def setting(name: str) -> float:
+            return float(own.get(name, server[f"autovacuum_{name}"]))
+
+        rows = max(0.0, float(row["reltuples"]))
+        vacuum = (row["n_dead_tup"] > setting("vacuum_threshold") + setting("vacuum_scale_factor") * rows
+                  or row["n_ins_since_vacuum"] > setting("vacuum_insert_threshold")
+                  + setting("vacuum_insert_scale_factor") * rows)
+        analyze = row["n_mod_since_analyze"] > setting("analyze_threshold") + setting("analyze_scale_factor") * rows
+        if vacuum or analyze:
+            await conn.execute(f"{'VACUUM' if vacuum else ''} ANALYZE {table}".strip())
+            self.vacuums += vacuum
+
+
+async def _autovacuum(stats: asyncpg.Connection, dsn: str) -> Autovacuum | None:
+    """The stand-in for autovacuum, started, when the server runs without it."""
+    if await stats.fetchval("SHOW autovacuum") == "on":
+        return None
+    return Autovacuum(dsn)
 
 
 async def _long_transaction(dsn: str, opens_at: float, closes_at: float, began: float) -> None:
@@ -233,6 +296,7 @@ class Row:
     indexes: int
     tomb_rows: int
     tomb_size: int
+    sweep_seconds: float
     vacuums: int
     hot: float
     long_open: bool
@@ -240,12 +304,14 @@ class Row:
     def line(self) -> str:
         cells = (f"{self.minute:3d} {self.started:9.0f} {self.completed:7.0f} {self.p50:9.3f} {self.p99:7.3f}"
                  f" {self.swept:8.0f} {self.live:8d} {self.dead:8d} {_mb(self.heap)} {_mb(self.indexes)}"
-                 f" {self.tomb_rows:8d} {_mb(self.tomb_size)} {self.vacuums:4d} {self.hot:4.0%}")
+                 f" {self.tomb_rows:8d} {_mb(self.tomb_size)} {self.sweep_seconds:7.1f} {self.vacuums:4d}"
+                 f" {self.hot:4.0%}")
         return f"  {cells}{'  long transaction' if self.long_open else ''}"
 
 
 _COLUMNS = (("min", 3), ("started/s", 9), ("done/s", 7), ("claim p50", 9), ("p99 ms", 7), ("swept/s", 8),
-            ("live", 8), ("dead", 8), ("heap MB", 7), ("idx MB", 7), ("tombs", 8), ("tomb MB", 7), ("vac", 4),
+            ("live", 8), ("dead", 8), ("heap MB", 7), ("idx MB", 7), ("tombs", 8), ("tomb MB", 7), ("sweep s", 7),
+            ("vac", 4),
             ("hot", 4))
 
 
@@ -254,12 +320,18 @@ async def _soak(dsn: str, load: Load, inbox: Inbox, settings: _Defaults, rate: i
     print(f"soak: {rate} keys/s for {MINUTES} min; retention {RETENTION} s, tombstones {TOMBSTONE} s, sweep every "
           f"{settings.sweep_interval_seconds:.0f} s in batches of {settings.sweep_batch_size}; a REPEATABLE READ "
           f"transaction open from minute {opens:g} to {closes:g}", flush=True)
+    vacuum = await _autovacuum(stats, dsn)
+    if vacuum is not None:
+        print("  autovacuum is off on this server: the soak runs VACUUM where autovacuum would (see its docstring)",
+              flush=True)
     print("  " + " ".join(f"{name:>{width}}" for name, width in _COLUMNS), flush=True)
     stop = asyncio.Event()
     began = time.perf_counter()
     driver = asyncio.create_task(load.open_loop(rate, stop))
-    sweeper = asyncio.create_task(_sweep_forever(inbox, load, settings))
-    report = asyncio.create_task(_long_transaction(dsn, opens * 60, closes * 60, began))
+    tasks = [asyncio.create_task(_sweep_forever(inbox, load, settings)),
+             asyncio.create_task(_long_transaction(dsn, opens * 60, closes * 60, began))]
+    if vacuum is not None:
+        tasks.append(asyncio.create_task(vacuum.forever()))
     rows: list[Row] = []
     hot = (0, 0)  # the inbox's updates and heap-only ones, so far
     try:
@@ -272,7 +344,8 @@ async def _soak(dsn: str, load: Load, inbox: Inbox, settings: _Defaults, rate: i
             row = Row(minute, done.started / 60, done.completed / 60, statistics.median(claims),
                       claims[max(0, math.ceil(len(claims) * 0.99) - 1)], done.swept / 60, ibx["n_live_tup"],
                       ibx["n_dead_tup"], ibx["heap"], ibx["indexes"], tmb["n_live_tup"], tmb["heap"] + tmb["indexes"],
-                      ibx["autovacuum_count"] + tmb["autovacuum_count"],
+                      done.sweep_seconds,
+                      ibx["autovacuum_count"] + tmb["autovacuum_count"] + (vacuum.vacuums if vacuum else 0),
                       (ibx["n_tup_hot_upd"] - hot[1]) / max(1, ibx["n_tup_upd"] - hot[0]),
                       long_open=minute - 1 < closes and minute > opens)
             rows.append(row)
@@ -281,7 +354,7 @@ async def _soak(dsn: str, load: Load, inbox: Inbox, settings: _Defaults, rate: i
     finally:
         stop.set()
         await driver
-        for task in (sweeper, report):
+        for task in tasks:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
