@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 from collections.abc import Mapping, Sequence
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any, Protocol
 
 from consumer_kit.store import sql
@@ -344,21 +344,29 @@ class Inbox:
         ``tombstone_seconds``; then delete expired tombstones. A started row with a live lease is never
         deleted."""
         total = batches = 0
+        since = _EPOCH  # each batch goes on from the newest expiry the one before it deleted
         while max_batches is None or batches < max_batches:
             now = self.clock()
-            params = {"now": now, "limit": batch_size, "tombstones": self.tombstones,
+            params = {"now": now, "since": since, "limit": batch_size, "tombstones": self.tombstones,
                       "tombstone_expires_at": now + self.tombstone}
             async with self.database.transaction() as ex:
-                deleted = await self._dialect.sweep(ex, params)
+                deleted, newest = await self._dialect.sweep(ex, params)
             total += deleted
             batches += 1
+            since = newest or since
             if deleted < batch_size:
                 break
+        since = _EPOCH
         while True:
             async with self.database.connect() as ex:
-                gone = await ex.execute(sql.SWEEP_TOMBSTONES, {"now": self.clock(), "limit": batch_size})
+                gone, newest = await self._dialect.sweep_tombstones(
+                    ex, {"now": self.clock(), "since": since, "limit": batch_size})
+            since = newest or since
             if gone < batch_size:
                 return total
+
+
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 
 def _acquired(digest: str, attempts: int, params: Mapping[str, Any], carried: Row | None, *,
@@ -392,8 +400,12 @@ class _Dialect(Protocol):
         """The completion that also ends the coordinator's session (``Ending.ended``)."""
         ...
 
-    async def sweep(self, ex: Executor, params: Mapping[str, Any]) -> int:
-        """One batch of the sweep, in ``ex``'s transaction; how many rows went."""
+    async def sweep(self, ex: Executor, params: Mapping[str, Any]) -> tuple[int, datetime | None]:
+        """One batch of the sweep, in ``ex``'s transaction: how many rows went, and the newest expiry
+        among them where the next batch may start (``None``: from the same place)."""
+
+    async def sweep_tombstones(self, ex: Executor, params: Mapping[str, Any]) -> tuple[int, datetime | None]:
+        """One batch of expired tombstones deleted, as :meth:`sweep`."""
         ...
 
 
@@ -440,9 +452,15 @@ class _Postgres:
         ending.ended = bool(row["ended"])
         return bool(row["completed"] == 1)
 
-    async def sweep(self, ex: Executor, params: Mapping[str, Any]) -> int:
-        row = await ex.fetch_one(sql.SWEEP_INBOX, params)
-        return int(row["swept"]) if row is not None else 0
+    async def sweep(self, ex: Executor, params: Mapping[str, Any]) -> tuple[int, datetime | None]:
+        return _swept(await ex.fetch_one(sql.SWEEP_INBOX, params))
+
+    async def sweep_tombstones(self, ex: Executor, params: Mapping[str, Any]) -> tuple[int, datetime | None]:
+        return _swept(await ex.fetch_one(sql.SWEEP_TOMBSTONES, params))
+
+
+def _swept(row: Row | None) -> tuple[int, datetime | None]:
+    return (0, None) if row is None else (int(row["swept"]), row["newest"])
 
 
 class _Sqlite:
@@ -477,9 +495,13 @@ class _Sqlite:
     async def complete_ending(self, ex: Executor, params: Mapping[str, Any], ending: Ending) -> bool:
         return await ex.execute(sql.COMPLETE, params) == 1  # the session is ended after the commit
 
-    async def sweep(self, ex: Executor, params: Mapping[str, Any]) -> int:
-        keys = [dict(row) for row in await ex.fetch_all(sql.SWEEP_INBOX, params)]
+    async def sweep(self, ex: Executor, params: Mapping[str, Any]) -> tuple[int, datetime | None]:
+        rows = await ex.fetch_all(sql.SWEEP_INBOX, params)
+        keys = [{"consumer": row["consumer"], "key_digest": row["key_digest"]} for row in rows]
         if params["tombstones"]:
             await ex.execute_many(sql.TOMBSTONE_SQLITE, [{**k, **params} for k in keys])
         await ex.execute_many(sql.DELETE_SWEPT_SQLITE, keys)
-        return len(keys)
+        return len(keys), None  # SQLite frees deleted rows at once: the next batch may start over
+
+    async def sweep_tombstones(self, ex: Executor, params: Mapping[str, Any]) -> tuple[int, datetime | None]:
+        return await ex.execute(sql.SWEEP_TOMBSTONES_SQLITE, params), None

@@ -227,18 +227,19 @@ RECORD_FAILURE = Statement(
     " last_error = :last_error, updated_at = :now WHERE inbox.state = 'started'"
     " RETURNING attempts"
 )
-# Expired rows, oldest first, in short batches; a started row with a live lease is never deleted.
-_EXPIRED_INBOX = ("FROM inbox WHERE expires_at <= :now AND (locked_until IS NULL OR locked_until <= :now)"
-                  " ORDER BY expires_at LIMIT :limit")
-# PostgreSQL deletes a batch and writes its tombstones in one statement; SQLite (one writer) reads the
-# batch, writes the tombstones, then deletes, in one transaction.
+# Expired rows, oldest first, in short batches; a started row with a live lease is never deleted. A batch starts at
+# the newest expiry the one before it deleted (``since``): deleted rows stay in the index as dead entries until vacuum
+# (longer under an old snapshot), and walking them all again each batch made a sweep cost the square of its rows.
+_EXPIRED_INBOX = ("FROM inbox WHERE expires_at <= :now AND expires_at >= :since"
+                  " AND (locked_until IS NULL OR locked_until <= :now) ORDER BY expires_at LIMIT :limit")
+# PostgreSQL deletes a batch and writes its tombstones in one statement; SQLite reads, keeps tombstones, deletes.
 SWEEP_INBOX = Statement(
     f"WITH gone AS (DELETE FROM inbox WHERE ctid IN (SELECT ctid {_EXPIRED_INBOX} FOR UPDATE SKIP LOCKED)"
-    " RETURNING consumer, key_digest), kept AS (INSERT INTO inbox_tombstones (consumer, key_digest, swept_at,"
-    " expires_at) SELECT consumer, key_digest, :now, :tombstone_expires_at FROM gone"
+    " RETURNING consumer, key_digest, expires_at), kept AS (INSERT INTO inbox_tombstones (consumer, key_digest,"
+    " swept_at, expires_at) SELECT consumer, key_digest, :now, :tombstone_expires_at FROM gone"
     " WHERE CAST(:tombstones AS boolean) ON CONFLICT DO NOTHING)"
-    " SELECT count(*) AS swept FROM gone",
-    f"SELECT consumer, key_digest {_EXPIRED_INBOX}",
+    " SELECT count(*) AS swept, max(expires_at) AS newest FROM gone",
+    f"SELECT consumer, key_digest, expires_at {_EXPIRED_INBOX}",
 )
 TOMBSTONE_SQLITE = Statement(
     "INSERT INTO inbox_tombstones (consumer, key_digest, swept_at, expires_at)"
@@ -246,11 +247,12 @@ TOMBSTONE_SQLITE = Statement(
 DELETE_SWEPT_SQLITE = Statement("DELETE FROM inbox WHERE consumer = :consumer AND key_digest = :key_digest")
 FORGET_TOMBSTONE = Statement(
     "DELETE FROM inbox_tombstones WHERE consumer = :consumer AND key_digest = :key_digest")
-_EXPIRED_TOMBSTONES = "FROM inbox_tombstones WHERE expires_at <= :now LIMIT :limit"
-SWEEP_TOMBSTONES = Statement(
-    f"DELETE FROM inbox_tombstones WHERE ctid IN (SELECT ctid {_EXPIRED_TOMBSTONES} FOR UPDATE SKIP LOCKED)",
-    f"DELETE FROM inbox_tombstones WHERE rowid IN (SELECT rowid {_EXPIRED_TOMBSTONES})",
-)
+_EXPIRED_TOMBSTONES = "FROM inbox_tombstones WHERE expires_at <= :now AND expires_at >= :since ORDER BY expires_at"
+SWEEP_TOMBSTONES = Statement(  # PostgreSQL; batches go on as the inbox's do
+    f"WITH gone AS (DELETE FROM inbox_tombstones WHERE ctid IN (SELECT ctid {_EXPIRED_TOMBSTONES} LIMIT :limit"
+    " FOR UPDATE SKIP LOCKED) RETURNING expires_at) SELECT count(*) AS swept, max(expires_at) AS newest FROM gone")
+SWEEP_TOMBSTONES_SQLITE = Statement(  # SQLite frees a row at once
+    f"DELETE FROM inbox_tombstones WHERE rowid IN (SELECT rowid {_EXPIRED_TOMBSTONES} LIMIT :limit)")
 
 # --- outbox -----------------------------------------------------------------------------------------
 
