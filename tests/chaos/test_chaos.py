@@ -15,8 +15,8 @@ pytestmark = [pytest.mark.postgres]
 # Enough messages that every fault lands while work remains (each is placed at a share of the messages,
 # and asserted to have come before the last): the batch path consumes several times faster than the
 # others. The full size is the command's.
-MESSAGES = {"batch": 10_000}
-SMALL = 2000
+MESSAGES = {"batch": 7500}
+SMALL = 1500
 
 
 @pytest.mark.rabbitmq
@@ -64,7 +64,7 @@ async def test_through_pgbouncer_kills_and_cuts_lose_and_double_nothing(pgbounce
     pytest.param("nats", marks=pytest.mark.nats), pytest.param("redis", marks=pytest.mark.redis)])
 async def test_kills_a_server_restart_and_a_database_cut_lose_and_double_nothing(
         transport_name: str, tmp_path: Path) -> None:
-    report = await run("default", messages=2000, kills=3, settle_seconds=120, log_dir=tmp_path,
+    report = await run("default", messages=SMALL, kills=3, settle_seconds=120, log_dir=tmp_path,
                        transport_name=transport_name)
     print(report.line())
     assert report.broker_fault == "server restart", report.line()
