@@ -20,18 +20,19 @@ T = TypeVar("T")
 
 
 @contextlib.asynccontextmanager
-async def scratch_database() -> AsyncIterator[str]:
-    """A new PostgreSQL database for one benchmark run; yields its plain URL and drops it after."""
+async def scratch_database(admin_url: str = PG_ADMIN) -> AsyncIterator[str]:
+    """A new PostgreSQL database for one benchmark run (on the server of ``admin_url``); yields its plain
+    URL and drops it after."""
     name = f"ck_bench_{secrets.token_hex(4)}"
-    admin = await asyncpg.connect(PG_ADMIN)
+    admin = await asyncpg.connect(admin_url)
     try:
         await admin.execute(f'CREATE DATABASE "{name}"')
     finally:
         await admin.close()
     try:
-        yield PG_ADMIN.rsplit("/", 1)[0] + f"/{name}"
+        yield admin_url.rsplit("/", 1)[0] + f"/{name}"
     finally:
-        admin = await asyncpg.connect(PG_ADMIN)
+        admin = await asyncpg.connect(admin_url)
         try:
             await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
         finally:
@@ -39,11 +40,11 @@ async def scratch_database() -> AsyncIterator[str]:
 
 
 @contextlib.asynccontextmanager
-async def migrated_database() -> AsyncIterator[str]:
+async def migrated_database(admin_url: str = PG_ADMIN) -> AsyncIterator[str]:
     """:func:`scratch_database` with consumer-kit's schema at head; yields its plain URL."""
     from consumer_kit.store import create_engine, upgrade
 
-    async with scratch_database() as dsn:
+    async with scratch_database(admin_url) as dsn:
         engine = create_engine(dsn.replace("postgresql://", "postgresql+asyncpg://"))
         try:
             await upgrade(engine)

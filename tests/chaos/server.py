@@ -40,7 +40,9 @@ def _free_port() -> int:
 class OwnServer:
     """A throwaway PostgreSQL cluster: :meth:`start`, :meth:`crash`, :meth:`start` again, :meth:`remove`."""
 
-    def __init__(self) -> None:
+    def __init__(self, settings: dict[str, str] | None = None) -> None:
+        """``settings``: server settings (``-c name=value``) on top of initdb's, for every start."""
+        self.settings = settings or {}
         self.directory = Path(tempfile.mkdtemp(prefix="ck-own-pg-"))
         self.port = _free_port()
         self._bin = _bindir()
@@ -55,6 +57,7 @@ class OwnServer:
 
     def start(self) -> None:
         options = f"-p {self.port} -c listen_addresses=127.0.0.1 -k {self.directory} -c max_connections=100"
+        options += "".join(f" -c {name}={value}" for name, value in self.settings.items())
         self._pg(["pg_ctl", "-D", str(self.directory / "data"), "-l", str(self.directory / "log"), "-o", options,
                   "-w", "-t", "60", "start"])
 
