@@ -344,19 +344,18 @@ class Inbox:
         ``tombstone_seconds``; then delete expired tombstones. A started row with a live lease is never
         deleted."""
         total = batches = 0
-        since = _EPOCH  # each batch goes on from the newest expiry the one before it deleted
+        since = datetime.min.replace(tzinfo=UTC)  # each batch goes on from the newest expiry the one before deleted
         while max_batches is None or batches < max_batches:
             now = self.clock()
             params = {"now": now, "since": since, "limit": batch_size, "tombstones": self.tombstones,
                       "tombstone_expires_at": now + self.tombstone}
             async with self.database.transaction() as ex:
                 deleted, newest = await self._dialect.sweep(ex, params)
-            total += deleted
-            batches += 1
+            total, batches = total + deleted, batches + 1
             since = newest or since
             if deleted < batch_size:
                 break
-        since = _EPOCH
+        since = datetime.min.replace(tzinfo=UTC)
         while True:
             async with self.database.connect() as ex:
                 gone, newest = await self._dialect.sweep_tombstones(
@@ -364,9 +363,6 @@ class Inbox:
             since = newest or since
             if gone < batch_size:
                 return total
-
-
-_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 
 def _acquired(digest: str, attempts: int, params: Mapping[str, Any], carried: Row | None, *,
@@ -401,8 +397,7 @@ class _Dialect(Protocol):
         ...
 
     async def sweep(self, ex: Executor, params: Mapping[str, Any]) -> tuple[int, datetime | None]:
-        """One batch of the sweep, in ``ex``'s transaction: how many rows went, and the newest expiry
-        among them where the next batch may start (``None``: from the same place)."""
+        """A batch swept in ``ex``'s transaction: rows gone, their newest expiry (``None``: start as before)."""
 
     async def sweep_tombstones(self, ex: Executor, params: Mapping[str, Any]) -> tuple[int, datetime | None]:
         """One batch of expired tombstones deleted, as :meth:`sweep`."""
@@ -453,14 +448,12 @@ class _Postgres:
         return bool(row["completed"] == 1)
 
     async def sweep(self, ex: Executor, params: Mapping[str, Any]) -> tuple[int, datetime | None]:
-        return _swept(await ex.fetch_one(sql.SWEEP_INBOX, params))
+        (row,) = await ex.fetch_all(sql.SWEEP_INBOX, params)  # an aggregate: always one row
+        return int(row["swept"]), row["newest"]
 
     async def sweep_tombstones(self, ex: Executor, params: Mapping[str, Any]) -> tuple[int, datetime | None]:
-        return _swept(await ex.fetch_one(sql.SWEEP_TOMBSTONES, params))
-
-
-def _swept(row: Row | None) -> tuple[int, datetime | None]:
-    return (0, None) if row is None else (int(row["swept"]), row["newest"])
+        (row,) = await ex.fetch_all(sql.SWEEP_TOMBSTONES, params)
+        return int(row["swept"]), row["newest"]
 
 
 class _Sqlite:

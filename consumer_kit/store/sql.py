@@ -227,9 +227,8 @@ RECORD_FAILURE = Statement(
     " last_error = :last_error, updated_at = :now WHERE inbox.state = 'started'"
     " RETURNING attempts"
 )
-# Expired rows, oldest first, in short batches; a started row with a live lease is never deleted. A batch starts at
-# the newest expiry the one before it deleted (``since``): deleted rows stay in the index as dead entries until vacuum
-# (longer under an old snapshot), and walking them all again each batch made a sweep cost the square of its rows.
+# Expired rows, oldest first, in short batches (never a started row with a live lease), each from the newest expiry the
+# last deleted (``since``): dead index entries await vacuum, and walking them again made a sweep quadratic.
 _EXPIRED_INBOX = ("FROM inbox WHERE expires_at <= :now AND expires_at >= :since"
                   " AND (locked_until IS NULL OR locked_until <= :now) ORDER BY expires_at LIMIT :limit")
 # PostgreSQL deletes a batch and writes its tombstones in one statement; SQLite reads, keeps tombstones, deletes.
