@@ -155,7 +155,7 @@ class Load:
 
 
 async def _sweep_forever(inbox: Inbox, load: Load, settings: _Defaults) -> None:
-    """The worker's sweeper loop (``ConsumerApp._sweep_forever``), counting into the load's minute."""
+    """The sweep a worker runs every SWEEP_INTERVAL_SECONDS (``Inbox.sweep``), counted into the load's minute."""
     while True:
         await asyncio.sleep(settings.sweep_interval_seconds)
         began = time.perf_counter()
