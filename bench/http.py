@@ -19,9 +19,11 @@ by the server's sockets), so that what limits a side shows.
 Targets: consumer-kit >= 1.0x the hand-written peer on new keys, its replays >= 3.0x the ceiling,
 its new keys >= 0.7x the ceiling.
 
-``CK_BENCH_N``, ``CK_BENCH_ROUNDS``; ``CK_BENCH_HTTP_EXTRA=kit-db,kit-dependency,kit-two,floor`` adds
-consumer-kit through ``ctx.db``, claiming in a route dependency, on its default two transactions (and in
-a dependency), and the endpoint without a database (what FastAPI and uvicorn cost by themselves).
+``CK_BENCH_N``, ``CK_BENCH_ROUNDS``; ``CK_BENCH_HTTP_EXTRA=kit-db,kit-dependency,kit-two,kit-staged,floor``
+adds consumer-kit through ``ctx.db``, claiming in a route dependency, on its default two transactions (and
+in a dependency), with the row staged (``staged=True``: the route makes the order's id itself, and the
+row, the key and the response go in one statement), and the endpoint without a database (what FastAPI
+and uvicorn cost by themselves).
 ``CK_BENCH_PROFILE=<dir>`` runs consumer-kit's servers under cProfile (a ``.prof`` a turn, warm-up included,
 written when it stops;
 the rates are then not comparable).
@@ -91,6 +93,7 @@ SIDES = {side.name: side for side in (
          {"BENCH_KIT_STYLE": "dependency"}, True),
     Side("kit-two", "consumer-kit, 2 txns, dependency", "bench.http_servers:kit",
          {"BENCH_KIT_STYLE": "dependency", "BENCH_KIT_TX": "two"}, True),
+    Side("kit-staged", "consumer-kit, staged, prefix", "bench.http_servers:kit", {"BENCH_KIT_TX": "staged"}, True),
 )}
 
 
@@ -387,6 +390,8 @@ def _report(names: list[str], runs: dict[str, list[Run]]) -> None:
               ("consumer-kit / hand-written, replays", "kit", "replay", "handwritten", "replay")]
     others += [(f"{n} / consumer-kit, new keys", n, "new", "kit", "new") for n in names[3:]]
     others += [(f"{n} / consumer-kit, replays", n, "replay", "kit", "replay") for n in names[3:]]
+    others += [(f"{n} / hand-written, new keys", n, "new", "handwritten", "new") for n in names[3:]]
+    others += [(f"{n} / ceiling, new keys", n, "new", "ceiling", "new") for n in names[3:]]
     for label, name, kind, peer, peer_kind in others:
         print(f"  {label:<44} {_ratio(runs, name, kind, peer, peer_kind):5.2f}")
     failed = sum(len(run.notes) for name in names for run in runs[name])

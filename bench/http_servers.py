@@ -19,7 +19,9 @@ endpoint, ``POST /orders`` with a JSON ``{"sku", "quantity"}``: insert one row i
   middleware's prefix style (``keys=``, ``prefix=``: a replay is answered before FastAPI routes the
   request; the route reads its context with ``idempotency_context``). ``BENCH_KIT_STYLE=dependency``
   claims in a route dependency instead, ``BENCH_KIT_TX=two`` takes the default two transactions (a
-  lease committed first), ``BENCH_KIT_VIA=db`` writes through ``ctx.db`` (SQLAlchemy).
+  lease committed first), ``BENCH_KIT_TX=staged`` stages the row (``staged=True``: the route makes the
+  order's id itself, and the row, the key and the response go in one statement), ``BENCH_KIT_VIA=db``
+  writes through ``ctx.db`` (SQLAlchemy).
 """
 
 # No ``from __future__ import annotations``: FastAPI reads the routes' annotations at run time, and
@@ -27,6 +29,7 @@ endpoint, ``POST /orders`` with a JSON ``{"sku", "quantity"}``: insert one row i
 import contextlib
 import hashlib
 import os
+import secrets
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
@@ -48,6 +51,7 @@ from consumer_kit.http.idempotency import (
 POOL = int(os.environ.get("BENCH_POOL", "32"))
 TABLE = os.environ.get("BENCH_TABLE", "bench_orders")
 INSERT = f"INSERT INTO {TABLE} (sku, quantity) VALUES ($1, $2) RETURNING id"
+STAGED_INSERT = f"INSERT INTO {TABLE} (id, sku, quantity) VALUES ($1, $2, $3)"
 KEYS_TABLE = "bench_idempotency_keys"
 
 
@@ -188,8 +192,9 @@ def kit() -> FastAPI:
     app = ConsumerApp(settings)
     api = FastAPI(lifespan=lifespan(app))
     via_db = os.environ.get("BENCH_KIT_VIA", "connection") == "db"
+    tx = os.environ.get("BENCH_KIT_TX", "one")
     keys = IdempotencyKey(app, namespace="orders", version=1, driver="sqlalchemy" if via_db else "asyncpg",
-                          single_transaction=os.environ.get("BENCH_KIT_TX") != "two")
+                          single_transaction=tx != "two", staged=tx == "staged")
     if os.environ.get("BENCH_KIT_STYLE", "prefix") == "prefix":
         api.add_middleware(IdempotencyMiddleware, keys=keys, prefix="/orders", methods=("POST",))
         context = Depends(idempotency_context)
@@ -204,6 +209,14 @@ def kit() -> FastAPI:
             result = await ctx.db.execute(orders.insert().values(sku=order.sku, quantity=order.quantity)
                                           .returning(orders.c.id))
             return {"id": result.scalar_one(), "sku": order.sku, "quantity": order.quantity}
+
+    elif tx == "staged":
+
+        @api.post("/orders", status_code=201)
+        async def create_order_staged(order: Order, ctx: Annotated[IdempotentContext, context]) -> dict[str, Any]:
+            order_id = secrets.randbits(62)  # the id made before the write, so that the answer needs no RETURNING
+            ctx.stage(STAGED_INSERT, order_id, order.sku, order.quantity)
+            return {"id": order_id, "sku": order.sku, "quantity": order.quantity}
 
     else:
 

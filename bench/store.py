@@ -59,6 +59,13 @@ CHUNK = 1_000_000
 CONSUMER = "store"
 HMAC_KEY = "bench-hmac-key-0123456789abcdef"
 SERVER = os.environ.get("CK_BENCH_STORE_SERVER", "own")
+# Where a statement's time goes, from pg_stat_statements (the own server loads it): blocks read from outside
+# shared_buffers (the kernel's cache or the disk) and the time those reads took, blocks it wrote back to make room,
+# and the full-page images its WAL carried (a page's first change after a checkpoint).
+_IO = ("SELECT coalesce(sum(calls), 0), coalesce(sum(shared_blks_read), 0), coalesce(sum(blk_read_time), 0),"
+       " coalesce(sum(shared_blks_written), 0), coalesce(sum(wal_fpi), 0) FROM pg_stat_statements"
+       " WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database())"
+       " AND query NOT LIKE '%pg_stat_statements%'")
 SETTINGS = ("shared_buffers", "effective_cache_size", "maintenance_work_mem", "checkpoint_timeout", "max_wal_size",
             "wal_compression", "synchronous_commit", "autovacuum", "server_version")
 
@@ -76,7 +83,7 @@ def _production_settings() -> dict[str, str]:
     memory_mb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 1_048_576
     return {"shared_buffers": f"{min(8192, max(128, memory_mb // 4))}MB",
             "effective_cache_size": f"{memory_mb // 2}MB", "max_wal_size": "8GB", "checkpoint_timeout": "15min",
-            "autovacuum": "on"}
+            "autovacuum": "on", "shared_preload_libraries": "pg_stat_statements", "track_io_timing": "on"}
 
 
 def _loaded_digest(i: int) -> str:
@@ -149,6 +156,7 @@ async def _run(admin_url: str) -> bool:
     measured: dict[int, dict[str, list[list[float]]]] = {}
     sizes: dict[int, tuple[int, int, int]] = {}
     timings: dict[int, float] = {}
+    io_spent: dict[int, dict[str, list[float]]] = {n: {} for n in SIZES}
     print(f"inbox at scale ({datetime.now(UTC):%Y-%m-%d}): {PROBES} operations each, after {WARMUP} unmeasured "
           f"claims, sizes {', '.join(f'{n:,}' for n in SIZES)}", flush=True)
     async with migrated_database(admin_url) as dsn:
@@ -158,6 +166,9 @@ async def _run(admin_url: str) -> bool:
         admin = await asyncpg.connect(dsn, command_timeout=None)
         try:
             await admin.execute("CREATE EXTENSION IF NOT EXISTS pg_prewarm")
+            statements = "pg_stat_statements" in await admin.fetchval("SHOW shared_preload_libraries")
+            if statements:
+                await admin.execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
             settings = {name: await admin.fetchval(f"SHOW {name}") for name in SETTINGS}
             print("  " + ", ".join(f"{k} {v}" for k, v in settings.items()), flush=True)
             loaded = 0
@@ -182,7 +193,13 @@ async def _run(admin_url: str) -> bool:
                     old = [[_loaded_digest(random.randint(1, rows))] for _ in range(PROBES)]
                     for op, keys, claim in (("claim, new key", probe, True), ("duplicate, recent", probe, False),
                                             ("duplicate, old", old, False)):
+                        if statements:
+                            await admin.execute("SELECT pg_stat_statements_reset()")
                         measured[rows].setdefault(op, []).append(await _measure(inbox, database, keys, claim=claim))
+                        if statements:
+                            io = await admin.fetchrow(_IO)
+                            spent = io_spent[rows].setdefault(op, [0.0] * len(io))
+                            io_spent[rows][op] = [a + float(b) for a, b in zip(spent, io, strict=True)]
                 sizes[rows] = (await admin.fetchval("SELECT pg_relation_size('inbox')"),
                                await admin.fetchval("SELECT pg_relation_size('pk_inbox')"),
                                await admin.fetchval("SELECT pg_relation_size('ix_inbox_expires_at')"))
@@ -190,6 +207,10 @@ async def _run(admin_url: str) -> bool:
                 line = ", ".join(f"{op} p50 {_p50(s):.3f} p99 {_p99(s):.3f}" for op, s in measured[rows].items())
                 print(f"  {rows:>12,} rows (loaded in {timings[rows]:.0f} s; heap {heap:,.0f} MB, key index "
                       f"{key:,.0f} MB, expiry index {expiry:,.0f} MB): {line}", flush=True)
+                for op, (calls, read, read_ms, written, fpi) in io_spent[rows].items():
+                    print(f"    {op:<18} a statement: {read / calls:.3f} blocks read from outside shared_buffers"
+                          f" ({read_ms / max(read, 1) * 1000:.0f} us each), {written / calls:.3f} written back,"
+                          f" {fpi / calls:.3f} full-page images", flush=True)
         finally:
             await admin.close()
             await database.close()

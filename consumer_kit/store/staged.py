@@ -46,6 +46,16 @@ class StagedWrites:
         """Stage outbox rows (``ctx.outbox.publish``), written after the statements, all in one go."""
         self._outbox.extend(rows)
 
+    def alone(self) -> tuple[str, tuple[Any, ...]] | None:
+        """The one write staged, when there is exactly one: an asyncpg statement staged once, and no
+        outbox rows (what :func:`~consumer_kit.store.at_once.write_at_once` can send with its key)."""
+        if self._outbox or len(self._groups) != 1:
+            return None
+        ((kind, statement), rows), = self._groups.items()
+        if kind != _DRIVER or len(rows) != 1 or not isinstance(statement, str):
+            return None
+        return statement, rows[0]
+
     def __bool__(self) -> bool:
         return bool(self._groups or self._outbox)
 

@@ -55,6 +55,8 @@ class Order(BaseModel):
     unavailable_times: int = 0  # answer 503 on this process's first n runs of the ticket
     status: int | None = None  # answer this status of the route's own choosing
     size: int = 0  # pad the answer to about this many bytes
+    stage_twice: bool = False  # a staged route: stage a second statement too (no single statement then)
+    use_connection: bool = False  # a staged route: use ctx.connection / ctx.db, which it may not
 
 
 async def tenant(request: Request) -> str | None:
@@ -99,11 +101,19 @@ def build(settings: Settings, *, tracer_provider: Any = None, telemetry: Telemet
     fast = IdempotencyKey(app, namespace="fast", version=1, single_transaction=True,
                           driver="asyncpg" if on_asyncpg else "sqlalchemy")
     api.add_middleware(IdempotencyMiddleware, keys=fast, prefix="/fast", methods=("POST",))
+    # Staged routes: nothing held while the route runs; its one staged statement goes with the key in a
+    # single statement on PostgreSQL on asyncpg, else (two statements, SQLite) in one transaction after it.
+    driver = "asyncpg" if on_asyncpg else "sqlalchemy"
+    staged = IdempotencyKey(app, namespace="staged", version=1, caller=tenant, staged=True, driver=driver)
+    staged_run = IdempotencyKey(app, namespace="staged-run", version=1, staged=True, after_retention="run",
+                                driver=driver)
 
     async def perform(order: Order, ctx: IdempotentContext, route: str) -> Response:
         runs[(route, order.ticket, ctx.caller)] += 1
         run = runs[(route, order.ticket, ctx.caller)]
-        if route == "fast-orders" and not fast.uses_db:
+        if route.startswith("staged"):
+            stage(order, ctx, route)
+        elif route == "fast-orders" and not fast.uses_db:
             await ctx.connection.execute("INSERT INTO idem_effects (ticket, route, caller, attempt)"
                                          " VALUES ($1, $2, $3, $4)", order.ticket, route, ctx.caller, ctx.attempt)
         else:
@@ -133,6 +143,22 @@ def build(settings: Settings, *, tracer_provider: Any = None, telemetry: Telemet
         return JSONResponse(body, status_code=201, headers={"Location": f"/{route}/{made}",
                                                             "X-Run": uuid.uuid4().hex, "X-Receipt": made[:8]})
 
+    def stage(order: Order, ctx: IdempotentContext, route: str) -> None:
+        values = (order.ticket, route, ctx.caller, ctx.attempt)
+        if order.use_connection:
+            if staged.uses_db:
+                ctx.db.add  # noqa: B018 - raises: a staged route has no session to use
+            ctx.connection.execute  # noqa: B018 - raises likewise
+        for _ in range(2 if order.stage_twice else 1):
+            if staged.uses_db:
+                ctx.stage(text("INSERT INTO idem_effects (ticket, route, caller, attempt)"
+                               " VALUES (:ticket, :route, :caller, :attempt)"),
+                          **dict(zip(("ticket", "route", "caller", "attempt"), values, strict=True)))
+            else:
+                ctx.stage("INSERT INTO idem_effects (ticket, route, caller, attempt) VALUES ($1, $2, $3, $4)",
+                          *values)
+            values = (order.ticket, f"{route}-again", ctx.caller, ctx.attempt)
+
     def route(path: str, keys: Callable[..., Any]) -> None:
         name = path.strip("/").replace("/", "-")
 
@@ -146,10 +172,10 @@ def build(settings: Settings, *, tracer_provider: Any = None, telemetry: Telemet
     for path, keys in (("/labels", labels), ("/slow", slow), ("/jobs", jobs), ("/late/refuse", late_refuse),
                        ("/late/run", late_run), ("/payments/charges", idempotency_context),
                        ("/payments/refunds", idempotency_context), ("/one", one), ("/one/late", one_late),
-                       ("/fast/orders", idempotency_context)):
+                       ("/fast/orders", idempotency_context), ("/staged", staged), ("/staged/run", staged_run)):
         route(path, keys)
     for path, keys in (("/labels", labels), ("/slow", slow), ("/jobs", jobs), ("/late/refuse", late_refuse),
-                       ("/one", one)):
+                       ("/one", one), ("/staged", staged)):
         api.add_route(f"{path}/status", keys.status, methods=["GET"])
 
     async def make_receipt(request: Request, ctx: IdempotentContext | None) -> Response:

@@ -28,6 +28,8 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.trace import SpanKind
 from prometheus_client.parser import text_string_to_metric_families
 
+from consumer_kit.http.idempotency import deferred
+from consumer_kit.store.at_once import write_at_once
 from consumer_kit.testing.server import served_asgi
 from tests.conftest import Spans, make_settings, migrated_database, span_texts
 from tests.integration.idempotent_app import build
@@ -177,7 +179,7 @@ class Client:
     async def post(self, path: str, key: str | None, order: dict[str, Any], *, token: str | None = None,
                    params: str = "") -> httpx.Response:
         headers = {} if key is None else {"Idempotency-Key": quoted(key)}
-        if order.get("raise_times"):  # uvicorn closes the connection after a route raised, answered or not
+        if order.get("raise_times") or order.get("use_connection"):  # uvicorn closes it after a route raised
             headers["Connection"] = "close"
         if token is not None:
             headers["Authorization"] = f"Bearer {token}"
@@ -501,7 +503,7 @@ async def test_a_key_seen_again_after_its_record_was_swept(client: Client) -> No
     assert outcomes(before, after, "late-run") == {"processed": 1, "replayed": 1}
 
 
-@pytest.mark.parametrize("path", ["/labels", "/one"])
+@pytest.mark.parametrize("path", ["/labels", "/one", "/staged"])
 async def test_200_requests_at_once_with_one_key_run_it_once(client: Client, path: str) -> None:
     key, ticket = client.key(), client.ticket()
     order = {"ticket": ticket, "sleep": 0.05}
@@ -514,8 +516,9 @@ async def test_200_requests_at_once_with_one_key_run_it_once(client: Client, pat
     for answer in answers:
         if answer.status_code == 409:
             assert error(answer) == "request_in_progress" and int(answer.headers["retry-after"]) >= 1
-            # in one transaction on SQLite, whose one writer the first holds, the others wait and replay
-            assert not (path == "/one" and on_sqlite(client))
+            # in one transaction on SQLite, whose one writer the first holds, the others wait and replay;
+            # a staged route holds nothing while it runs, so its repeats replay the one that was written
+            assert not (path == "/one" and on_sqlite(client)) and path != "/staged"
         else:
             assert (answer.status_code, answer.content) == (201, ran[0].content)
     assert client.effects(ticket) == [(path.strip("/"), None, 1)]
@@ -743,3 +746,89 @@ async def test_in_one_transaction_a_key_seen_again_after_its_record_was_swept(cl
     late = await client.post("/one/late", key, {"ticket": ticket})
     assert (late.status_code, error(late)) == (422, "idempotency_key_expired")
     assert client.effects(ticket) == [("one-late", None, 1)]
+
+
+# --- staged routes (staged=True) ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("twice", [False, True], ids=["one-statement", "two-statements"])
+async def test_staged_the_first_request_runs_once_and_repeats_replay(client: Client, twice: bool,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """On PostgreSQL on asyncpg one staged statement goes with the key in a single statement; two go in
+    one transaction after the route, as on SQLite. Either way: written once, replayed after."""
+    sent: list[str] = []
+
+    async def counted(*args: Any, **kwargs: Any) -> Any:
+        sent.append(kwargs["statement"])
+        return await write_at_once(*args, **kwargs)
+
+    monkeypatch.setattr(deferred, "write_at_once", counted)  # the server runs in this process
+    key, ticket = client.key(), client.ticket()
+    order = {"ticket": ticket, "stage_twice": twice}
+    wrote = [("staged", None, 1), ("staged-again", None, 1)] if twice else [("staged", None, 1)]
+    before = await client.metrics()
+    first = await client.post("/staged", key, order)
+    assert first.status_code == 201 and not replayed(first)
+    assert sorted(client.effects(ticket), key=str) == sorted(wrote, key=str)
+    repeats = [await client.post("/staged", key, order) for _ in range(10)]  # the later ones read first
+    assert all(replayed(r) and (r.status_code, r.content) == (201, first.content) for r in repeats)
+    assert repeats[0].headers["location"] == first.headers["location"]
+    other = await client.post("/staged", key, {**order, "size": 1})
+    assert (other.status_code, error(other)) == (422, "idempotency_key_reused")
+    theirs = await client.post("/staged", key, order, token="token-a")  # another tenant's key
+    assert (theirs.status_code, replayed(theirs)) == (201, False)
+    assert (await client.status("/staged", key)).json()["state"] == "completed"
+    assert sorted(client.effects(ticket), key=str) == sorted([*wrote, *((r, "tenant-a", a) for r, _, a in wrote)],
+                                                           key=str)
+    assert outcomes(before, await client.metrics(), "staged") == {"processed": 2, "replayed": 10, "key_reused": 1}
+    # in one statement: at least the first request and the other tenant's (a repeat may be answered
+    # by a read before its route runs, or by its statement's conflict)
+    if twice or on_sqlite(client):
+        assert sent == []
+    else:
+        assert len(sent) >= 2 and set(sent) == {sent[0]}
+
+
+async def test_staged_a_failure_or_a_5xx_writes_nothing_and_the_retry_runs(client: Client) -> None:
+    key, ticket = client.key(), client.ticket()
+    order = {"ticket": ticket, "raise_times": 1, "unavailable_times": 2}
+    raised = await client.post("/staged", key, order)
+    assert raised.status_code == 500 and client.effects(ticket) == []
+    busy = await client.post("/staged", key, order)
+    assert busy.status_code == 503 and client.effects(ticket) == []
+    assert (await client.status("/staged", key)).status_code == 404
+    ran = await client.post("/staged", key, order)
+    assert ran.status_code == 201 and not replayed(ran)
+    assert replayed(await client.post("/staged", key, order))
+    assert client.effects(ticket) == [("staged", None, 1)]
+    too_big = await client.post("/staged", client.key(), {"ticket": client.ticket(), "size": RESPONSE_LIMIT})
+    assert (too_big.status_code, error(too_big)) == (500, "idempotent_response_too_large")
+
+
+async def test_a_staged_route_that_reaches_for_the_connection_fails_and_writes_nothing(client: Client) -> None:
+    key, ticket = client.key(), client.ticket()
+    answer = await client.post("/staged", key, {"ticket": ticket, "use_connection": True})
+    assert answer.status_code == 500
+    assert client.effects(ticket) == [] and (await client.status("/staged", key)).status_code == 404
+
+
+async def test_staged_a_key_seen_again_after_its_record_was_swept(client: Client) -> None:
+    refuse, run, ticket = client.key(), client.key(), client.ticket()
+    assert (await client.post("/staged", refuse, {"ticket": ticket})).status_code == 201
+    ran = await client.post("/staged/run", run, {"ticket": ticket})
+    assert ran.status_code == 201
+    await asyncio.sleep(1.1)  # INBOX_RETENTION_SECONDS=1
+    assert (await client.http.post("/_test/sweep")).json()["swept"] >= 2
+    before = await client.metrics()
+    late = await client.post("/staged", refuse, {"ticket": ticket})
+    assert (late.status_code, error(late)) == (422, "idempotency_key_expired")
+    again = await client.post("/staged/run", run, {"ticket": ticket})
+    assert again.status_code == 201 and not replayed(again) and again.json()["id"] != ran.json()["id"]
+    assert replayed(await client.post("/staged/run", run, {"ticket": ticket}))
+    assert sorted(client.effects(ticket)) == [("staged", None, 1), ("staged-run", None, 1), ("staged-run", None, 1)]
+    after = await client.metrics()
+    late_total = "consumer_kit_late_deliveries_total"
+    assert grew(before, after, late_total, source="http:staged", action="refused") == 1
+    assert grew(before, after, late_total, source="http:staged-run", action="processed") == 1
+    assert outcomes(before, after, "staged") == {"key_expired": 1}
+    assert outcomes(before, after, "staged-run") == {"processed": 1, "replayed": 1}

@@ -29,47 +29,42 @@ decorator) are :mod:`consumer_kit.http.idempotency.asgi`. This module needs no w
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import contextlib
-import logging
 import math
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 from consumer_kit import metrics
-from consumer_kit.context import Context
-from consumer_kit.delivery import Delivery
 from consumer_kit.errors import InvalidKey
 from consumer_kit.http import DEFAULT_BODY_LIMIT
+from consumer_kit.http.idempotency.deferred import StagedOperation
+from consumer_kit.http.idempotency.held import IdempotentContext, Operation, end_span, end_unwritten
 from consumer_kit.http.idempotency.keys import KeyRefused, fingerprint, header_key
 from consumer_kit.http.idempotency.replies import KEPT_HEADERS, Reply, RequestFacts, refusal, replay
 from consumer_kit.keys import OperationKey, short
 from consumer_kit.pipeline.duplicates import DuplicateShare
-from consumer_kit.store import Claim, ClaimStatus, Executor, OutboxWriter, StagedWrites, claimable, verdict
+from consumer_kit.store import Claim, ClaimStatus, Executor, claimable, verdict
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span
 
     from consumer_kit.app import ConsumerApp
 
-log = logging.getLogger("consumer_kit.http.idempotency")
-
-class IdempotentContext(Context):
-    """What the route gets: a :class:`~consumer_kit.Context` (``ctx.key``, ``ctx.db`` and
-    ``ctx.connection`` inside the transaction that also stores the response, ``ctx.outbox``,
-    ``ctx.derive``) and ``caller``, the scope the key was taken in. ``ctx.key`` is the operation's key:
-    for a scoped endpoint its id is a keyed digest of the caller and the client's key, so that the keys
-    derived from it (``ctx.derive("carrier")``) differ between two callers who sent the same key."""
-
-    __slots__ = ("caller",)
-
-    caller: str | None
-
+__all__ = ["PASS", "READ_FIRST_ABOVE", "Held", "IdempotentContext", "KeyRules", "Operation"]
 
 READ_FIRST_ABOVE = 0.25
 """The share of an endpoint's requests that are repeats above which a key is looked up before it is claimed."""
+
+class Held(NamedTuple):
+    """A key held in a transaction (:meth:`KeyRules.take`)."""
+
+    claim: Claim
+    connection: contextlib.AsyncExitStack
+    transaction: contextlib.AsyncExitStack
+    ex: Executor
+
 
 PASS = object()
 """What :meth:`KeyRules.begin` answers for a request without a key to an endpoint that does not
@@ -95,15 +90,20 @@ class KeyRules:
     ``single_transaction=True``: the key, the route's writes and the response commit in one transaction,
     for a route whose every effect is in the database (``ctx.db``, ``ctx.connection``, ``ctx.outbox``): a
     route that calls out would call again after a rollback. It is faster, and a crash mid-request leaves
-    nothing to wait for: the retry runs at once. ``driver="asyncpg"`` (PostgreSQL on asyncpg): the route
-    writes through ``ctx.connection`` only, not ``ctx.db``, on the store's own asyncpg pool.
+    nothing to wait for: the retry runs at once. ``staged=True``: the route only stages its writes
+    (``ctx.stage``, ``ctx.outbox``) and reads nothing through ``ctx.db`` or ``ctx.connection``; nothing is
+    held while it runs, and once it returns its writes, the key and the response are written together,
+    on PostgreSQL on asyncpg in a single statement when the route staged one statement (see
+    :class:`~consumer_kit.http.idempotency.deferred.StagedOperation`). ``driver="asyncpg"`` (PostgreSQL
+    on asyncpg): the route writes through ``ctx.connection`` only, not ``ctx.db``, on the store's own
+    asyncpg pool.
     """
 
     def __init__(self, app: ConsumerApp, *, namespace: str, version: int, name: str | None = None,
                  required: bool = True, fingerprint_headers: Sequence[str] = (), replay_headers: Sequence[str] = (),
                  bare_keys: bool = False, after_retention: Literal["refuse", "run"] = "refuse",
                  body_limit: int = DEFAULT_BODY_LIMIT, response_limit: int | None = None,
-                 timeout_seconds: float | None = None, single_transaction: bool = False,
+                 timeout_seconds: float | None = None, single_transaction: bool = False, staged: bool = False,
                  driver: Literal["sqlalchemy", "asyncpg"] = "sqlalchemy") -> None:
         OperationKey(namespace, version, "probe")  # fail at construction on a bad namespace or version
         if after_retention not in ("refuse", "run"):
@@ -123,7 +123,8 @@ class KeyRules:
         self.body_limit = body_limit
         self.response_limit = response_limit
         self._timeout = timeout_seconds
-        self.single_transaction = single_transaction
+        self.single_transaction = single_transaction or staged
+        self.staged = staged
         self.uses_db = driver == "sqlalchemy"
         self._repeats = DuplicateShare(READ_FIRST_ABOVE)
         self._counts = {outcome: metrics.IDEMPOTENT_REQUESTS.labels(self.name, outcome)
@@ -162,12 +163,12 @@ class KeyRules:
             begun = await self._begin(request, span)
         except BaseException as exc:
             if span is not None:
-                _end_span(span, 500, "failed", exc)
+                end_span(span, 500, "failed", exc)
             raise
         if isinstance(begun, Reply):
             self.count(begun.outcome)
             if span is not None:
-                _end_span(span, begun.status, begun.outcome)
+                end_span(span, begun.status, begun.outcome)
         return begun
 
     def _span(self, request: RequestFacts) -> Span | None:
@@ -211,13 +212,19 @@ class KeyRules:
             seen = await inbox.look(self.consumer, digests)
             if seen is not None and not claimable(seen, fp, self.app.clock()):
                 self._repeats.count(self.consumer, taken=True)
-                return self._taken(verdict(seen, fp))
+                return self.taken(verdict(seen, fp))
+        if self.staged:
+            return StagedOperation(self, key, fp, request, digests, span)
         if self.single_transaction:
             begun = await self._hold(request, key, digests, fp, span)
         else:
             begun = await self._lease(request, key, digests, fp, span)
-        self._repeats.count(self.consumer, taken=isinstance(begun, Reply) and begun.outcome != "key_expired")
+        self.seen(taken=isinstance(begun, Reply) and begun.outcome != "key_expired")
         return begun
+
+    def seen(self, *, taken: bool) -> None:
+        """Count a request whose key was found ``taken`` (a repeat) or not, for the read-first share."""
+        self._repeats.count(self.consumer, taken=taken)
 
     async def _lease(self, request: RequestFacts, key: OperationKey, digests: Sequence[str], fp: str,
                      span: Span | None) -> Reply | Operation:
@@ -228,17 +235,16 @@ class KeyRules:
         try:
             claim = await inbox.claim(ex, self.consumer, digests, fp, namespace=key.namespace, version=key.version)
             if claim.status is ClaimStatus.SWEPT:
-                if self.after_retention == "refuse":
-                    metrics.LATE_DELIVERIES.labels(self.consumer, "refused").inc()
+                refused = self.late()
+                if refused is not None:
                     await connection.aclose()
-                    return refusal(422, "idempotency_key_expired", outcome="key_expired")
-                metrics.LATE_DELIVERIES.labels(self.consumer, "processed").inc()
+                    return refused
                 await inbox.forget(ex, self.consumer, digests)
                 claim = await inbox.claim(ex, self.consumer, digests, fp, namespace=key.namespace,
                                           version=key.version)
             if not claim.acquired:
                 await connection.aclose()
-                return self._taken(claim)
+                return self.taken(claim)
             operation = Operation(self, key, fp, request, claim, connection, ex, span)
         except BaseException:
             await connection.__aexit__(*sys.exc_info())
@@ -249,6 +255,16 @@ class KeyRules:
     async def _hold(self, request: RequestFacts, key: OperationKey, digests: Sequence[str], fp: str,
                     span: Span | None) -> Reply | Operation:
         """The single-transaction path: begin the route's transaction and hold the key in it."""
+        held = await self.take(digests, fp)
+        if isinstance(held, Reply):
+            return held
+        return Operation(self, key, fp, request, held.claim, held.connection, held.ex, span,
+                         transaction=held.transaction)
+
+    async def take(self, digests: Sequence[str], fp: str) -> Reply | Held:
+        """A connection, a transaction begun on it, and the key held in it (what the single-transaction
+        path writes in); or, with nothing left open, the answer for a key another request holds or
+        finished."""
         database, inbox = self.app.database, self.app.inbox
         connection = contextlib.AsyncExitStack()
         transaction = contextlib.AsyncExitStack()
@@ -258,27 +274,35 @@ class KeyRules:
                 seen = await inbox.lookup(ex, self.consumer, digests)
                 if seen is not None and not claimable(seen, fp, self.app.clock()):
                     await connection.aclose()
-                    return self._taken(verdict(seen, fp))
+                    return self.taken(verdict(seen, fp))
             await transaction.enter_async_context(ex.begin(deferred=False))
             claim = await inbox.hold(ex, self.consumer, digests, fp)
             if claim.status is ClaimStatus.SWEPT:
-                if self.after_retention == "refuse":
-                    metrics.LATE_DELIVERIES.labels(self.consumer, "refused").inc()
-                    await _roll_back(transaction, connection)
-                    return refusal(422, "idempotency_key_expired", outcome="key_expired")
-                metrics.LATE_DELIVERIES.labels(self.consumer, "processed").inc()
+                refused = self.late()
+                if refused is not None:
+                    await end_unwritten(transaction, connection)
+                    return refused
                 await inbox.forget(ex, self.consumer, digests)
                 claim = Claim(ClaimStatus.ACQUIRED, digests[0], 1)
             if not claim.acquired:
-                await _roll_back(transaction, connection)
-                return self._taken(claim)
-            return Operation(self, key, fp, request, claim, connection, ex, span, transaction=transaction)
+                await end_unwritten(transaction, connection)
+                return self.taken(claim)
+            return Held(claim, connection, transaction, ex)
         except BaseException:
             await transaction.__aexit__(*sys.exc_info())
             await connection.__aexit__(*sys.exc_info())
             raise
 
-    def _taken(self, claim: Claim) -> Reply:
+    def late(self) -> Reply | None:
+        """Count a key whose record was swept (its tombstone remains) as late: the answer with
+        ``after_retention="refuse"``, ``None`` when the route is to run again."""
+        if self.after_retention == "refuse":
+            metrics.LATE_DELIVERIES.labels(self.consumer, "refused").inc()
+            return refusal(422, "idempotency_key_expired", outcome="key_expired")
+        metrics.LATE_DELIVERIES.labels(self.consumer, "processed").inc()
+        return None
+
+    def taken(self, claim: Claim) -> Reply:
         """The answer to a request whose key another attempt holds or finished."""
         if claim.status is ClaimStatus.COMPLETED and isinstance(claim.result, dict):
             return replay(claim.result)
@@ -296,164 +320,3 @@ class KeyRules:
         return {"status": reply.status, "headers": headers, "body": base64.b64encode(reply.body).decode("ascii")}
 
 
-_GIVEN_BACK_STATUS = {"timed_out": 503, "lease_lost": 409, "invalid_request": 422}
-"""The answer to a request whose key was given back, by outcome (others: 500), for its span."""
-
-
-class _Abandoned(Exception):
-    """Handed to the transaction's exit to roll it back when the route failed without an exception of
-    its own (a 5xx it returned, a response too big to keep)."""
-
-
-async def _roll_back(transaction: contextlib.AsyncExitStack, connection: contextlib.AsyncExitStack) -> None:
-    """End a transaction that wrote nothing (a key found taken) and give its connection back."""
-    try:
-        await transaction.__aexit__(_Abandoned, _Abandoned(), None)
-    finally:
-        await connection.aclose()
-
-
-class Operation:
-    """One request that holds its key: the connection it claimed on, the transaction the route writes
-    in (opened by :meth:`open`), and the route's :class:`IdempotentContext`. End it exactly once: with
-    :meth:`finish` and the route's answer, or :meth:`abort`."""
-
-    def __init__(self, keys: KeyRules, key: OperationKey, fp: str, request: RequestFacts, claim: Claim,
-                 connection: contextlib.AsyncExitStack, ex: Executor, span: Span | None, *,
-                 transaction: contextlib.AsyncExitStack | None = None) -> None:
-        self.keys = keys
-        self.key = key
-        self.fingerprint = fp
-        self.claim = claim
-        self.single = transaction is not None
-        """Whether the key is held in the route's transaction (``single_transaction``), not by a lease."""
-        self.digest = short(claim.digest)
-        self._connection = connection
-        self._transaction = transaction or contextlib.AsyncExitStack()
-        self.ex = ex
-        app = keys.app
-        self._started = asyncio.get_running_loop().time()
-        self._writes = StagedWrites()
-        outbox = OutboxWriter(app.pipeline.digester, keys.consumer, key, clock=app.clock)
-        headers = {n.decode("latin-1").lower(): v.decode("latin-1") for n, v in request.headers
-                   if n.lower() not in (b"authorization", b"cookie", b"proxy-authorization", b"idempotency-key")}
-        delivery = Delivery(id=None, body=request.body, headers=headers, attempt=claim.attempts,
-                            attributes={"method": request.method, "path": request.path})
-        self.context = IdempotentContext(key=key, delivery=delivery, executor=ex, attempt=claim.attempts,
-                                         key_digest=self.digest, outbox=outbox, staged=self._writes,
-                                         http=app.http)
-        self.context.caller = request.caller
-        self.span = span
-        self._ended = False
-
-    async def open(self) -> None:
-        """Begin the route's transaction; on a failure, give the key back. On SQLite it takes the write
-        lock at once (``BEGIN IMMEDIATE``): a route that reads before it writes would otherwise fail
-        ("database is locked") whenever another request writes meanwhile, and a request cannot be
-        delivered again later as a queue's message can."""
-        try:
-            await self._transaction.enter_async_context(self.ex.begin(deferred=False))
-        except BaseException as exc:
-            await self._give_back(exc, "failed")
-            raise
-
-    async def finish(self, reply: Reply) -> Reply:
-        """Store ``reply`` with the route's writes and complete the key, in one commit; what to send.
-        A 5xx is not stored (the key is released for a retry), nor is a reply over the response limit."""
-        keys = self.keys
-        if reply.status >= 500:
-            await self._give_back(None, "failed", status=reply.status)
-            return reply
-        limit = keys.response_limit or keys.app.settings.idempotent_response_limit_bytes
-        if len(reply.body) > limit:
-            log.error("an idempotent response of %d bytes is over the %d byte limit; not stored, and the "
-                      "route's writes were rolled back [%s %s]", len(reply.body), limit, keys.name, self.digest)
-            await self._give_back(None, "too_large")
-            return refusal(500, "idempotent_response_too_large", outcome="too_large")
-        try:
-            ex = self.ex
-            if self._writes:
-                await self._writes.write(ex)
-            await self.context.outbox.flush(ex)
-            session = ex.session_made()
-            if session is not None and (session.new or session.dirty or session.deleted):
-                await session.flush()
-            inbox, stored = keys.app.inbox, keys.stored(reply)
-            if self.single:
-                completed = await inbox.finish_held(ex, keys.consumer, self.claim, self.fingerprint,
-                                                    namespace=self.key.namespace, version=self.key.version,
-                                                    outcome="processed", result=stored)
-            else:
-                completed = await inbox.complete(ex, keys.consumer, self.claim.digest, self.claim.lease_token or "",
-                                                 outcome="processed", result=stored)
-            if not completed:  # another attempt took over, or committed first: ours writes nothing
-                await self._give_back(None, "lease_lost", release=False)
-                return refusal(409, "request_in_progress", (b"retry-after", b"1"), outcome="lease_lost")
-            await self._transaction.aclose()  # COMMIT
-        except BaseException as exc:
-            await self._give_back(exc, "failed")
-            raise
-        self._ended = True
-        await self._connection.aclose()
-        keys.count("processed")
-        keys.timed(asyncio.get_running_loop().time() - self._started)
-        self._end_span(reply.status, "processed")
-        return reply
-
-    async def withdraw(self) -> None:
-        """The request was refused as invalid before its route ran: roll back and delete the claim, so
-        that the key is new again (the corrected request has another fingerprint)."""
-        await self._give_back(None, "invalid_request", withdraw=True)
-
-    async def abort(self, exc: BaseException | None = None, outcome: str = "failed") -> None:
-        """Roll the route's writes back and give the key back (the route raised, timed out, or its
-        request was cancelled); safe to call after :meth:`finish`, when it does nothing."""
-        if not self._ended:
-            await self._give_back(exc, outcome)
-
-    async def _give_back(self, exc: BaseException | None, outcome: str, *, release: bool = True,
-                         status: int | None = None, withdraw: bool = False) -> None:
-        """Roll back, release the lease (on this connection, or one aside when it was lost), close:
-        shielded, so that a second cancellation cannot leave the key held until its lease runs out.
-        ``status``: what the client is answered (the span says it), by default the outcome's.
-        ``withdraw``: delete the claim instead of releasing it."""
-        if self._ended:
-            return
-        self._ended = True
-        await asyncio.shield(self._roll_back(exc, release, withdraw))
-        self.keys.count(outcome)
-        self._end_span(status or _GIVEN_BACK_STATUS.get(outcome, 500), outcome, exc)
-
-    async def _roll_back(self, exc: BaseException | None, release: bool, withdraw: bool) -> None:
-        keys, ex = self.keys, self.ex
-        failure = exc if exc is not None else _Abandoned()
-        try:
-            with contextlib.suppress(Exception):  # a connection lost mid-transaction rolled back already
-                await self._transaction.__aexit__(type(failure), failure, failure.__traceback__)
-            if release and self.claim.lease_token is not None:
-                try:
-                    database = keys.app.database
-                    async with (database.aside(ex) if ex.discarded else contextlib.nullcontext(ex)) as on:
-                        if withdraw:
-                            await keys.app.inbox.withdraw(on, keys.consumer, self.claim.digest, self.claim.lease_token)
-                        else:
-                            await keys.app.inbox.release(on, keys.consumer, self.claim.digest,
-                                                         self.claim.lease_token, error=type(failure).__name__)
-                except Exception as gone:  # the lease then runs out by itself (INBOX_LEASE_SECONDS)
-                    log.warning("giving an idempotency key back failed (%s) [%s %s]", type(gone).__name__,
-                                keys.name, self.digest)
-        finally:
-            with contextlib.suppress(Exception):
-                await self._connection.aclose()
-
-    def _end_span(self, status: int, outcome: str, exc: BaseException | None = None) -> None:
-        if self.span is not None:
-            _end_span(self.span, status, outcome, exc, self.key)
-            self.span = None
-
-
-def _end_span(span: Span, status: int, outcome: str, exc: BaseException | None = None,
-              key: OperationKey | None = None) -> None:
-    from consumer_kit.tracing.spans import end_request  # only ever imported with tracing on
-
-    end_request(span, status, outcome, exc, key)

@@ -1,0 +1,109 @@
+"""The key and one staged write in a single statement (``consumer_kit.store.at_once``), on the real
+PostgreSQL server through the store's asyncpg pool: written together or not at all."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import pytest
+
+from consumer_kit.store import Database, Inbox, create_engine
+from consumer_kit.store.at_once import AtOnce, can_guard, write_at_once
+
+pytestmark = pytest.mark.postgres
+
+CONSUMER = "http:at-once"
+TABLE = "CREATE TABLE IF NOT EXISTS at_once_effects (ticket text PRIMARY KEY, amount integer NOT NULL)"
+INSERT = "INSERT INTO at_once_effects (ticket, amount) VALUES ($1, $2)"
+
+
+@pytest.fixture
+async def store(pg_database: str) -> AsyncIterator[tuple[Database, Inbox]]:
+    engine = create_engine(pg_database)
+    database = Database(engine)
+    try:
+        async with database.connect() as ex:
+            assert ex.driver is not None
+            await ex.driver.execute(TABLE)
+            await ex.driver.execute("TRUNCATE at_once_effects")
+        yield database, Inbox(database, lease_seconds=30, retention_seconds=60, tombstone_seconds=600)
+    finally:
+        await database.close()
+        await engine.dispose()
+
+
+async def write(database: Database, inbox: Inbox, digest: str, statement: str, *args: object) -> AtOnce:
+    async with database.connect() as ex:
+        return await write_at_once(ex, inbox, CONSUMER, digest.ljust(64, "0"), "f" * 64, namespace="orders",
+                                   version=1, outcome="processed", result={"status": 201, "body": "e30="},
+                                   statement=statement, args=args)
+
+
+async def effects(database: Database) -> list[tuple[str, int]]:
+    async with database.connect() as ex:
+        assert ex.driver is not None
+        return [(r["ticket"], r["amount"]) for r in await ex.driver.fetch(
+            "SELECT ticket, amount FROM at_once_effects ORDER BY ticket")]
+
+
+async def test_the_key_and_its_write_commit_together_and_a_repeat_writes_nothing(
+        store: tuple[Database, Inbox]) -> None:
+    database, inbox = store
+    assert await write(database, inbox, "a1", INSERT, "t-1", 5) is AtOnce.WRITTEN
+    async with database.connect() as ex:
+        row = await inbox.lookup(ex, CONSUMER, ["a1".ljust(64, "0")])
+    assert row is not None and (row["state"], row["result"]) == ("completed", {"status": 201, "body": "e30="})
+    # the same key again, with another write: the key's row stops the statement, the write with it
+    assert await write(database, inbox, "a1", INSERT, "t-2", 7) is AtOnce.TAKEN
+    assert await effects(database) == [("t-1", 5)]
+
+
+async def test_a_swept_keys_tombstone_stops_the_write(store: tuple[Database, Inbox]) -> None:
+    database, inbox = store
+    digest = "b1".ljust(64, "0")
+    async with database.connect() as ex:
+        assert ex.driver is not None
+        await ex.driver.execute("INSERT INTO inbox_tombstones (consumer, key_digest, swept_at, expires_at)"
+                                " VALUES ($1, $2, now(), now() + interval '1 hour')", CONSUMER, digest)
+    assert await write(database, inbox, "b1", INSERT, "t-3", 1) is AtOnce.SWEPT
+    assert await effects(database) == []
+    async with database.connect() as ex:
+        assert await inbox.lookup(ex, CONSUMER, [digest]) is None
+        assert ex.driver is not None
+        assert await ex.driver.fetchval("SELECT count(*) FROM inbox_tombstones WHERE key_digest = $1", digest) == 1
+    # a store with tombstones off does not look
+    no_tombstones = Inbox(database, lease_seconds=30, retention_seconds=60, tombstone_seconds=0)
+    assert await write(database, no_tombstones, "b1", INSERT, "t-3", 1) is AtOnce.WRITTEN
+
+
+async def test_a_write_that_fails_leaves_the_key_new(store: tuple[Database, Inbox]) -> None:
+    database, inbox = store
+    assert await write(database, inbox, "c1", INSERT, "t-4", 1) is AtOnce.WRITTEN
+    import asyncpg
+
+    with pytest.raises(asyncpg.UniqueViolationError):  # the route's own table refuses the row
+        await write(database, inbox, "c2", INSERT, "t-4", 2)
+    async with database.connect() as ex:
+        assert await inbox.lookup(ex, CONSUMER, ["c2".ljust(64, "0")]) is None
+    assert await write(database, inbox, "c2", INSERT, "t-5", 2) is AtOnce.WRITTEN
+    assert await effects(database) == [("t-4", 1), ("t-5", 2)]
+
+
+async def test_statements_with_a_with_of_their_own_and_updates(store: tuple[Database, Inbox]) -> None:
+    database, inbox = store
+    own_with = ("WITH wanted(ticket, amount) AS (VALUES ($1::text, $2::integer))"
+                " INSERT INTO at_once_effects (ticket, amount) SELECT ticket, amount FROM wanted")
+    assert await write(database, inbox, "d1", own_with, "t-6", 3) is AtOnce.WRITTEN
+    assert await write(database, inbox, "d2", "  update at_once_effects SET amount = amount + $2 WHERE ticket = $1",
+                       "t-6", 10) is AtOnce.WRITTEN
+    assert await write(database, inbox, "d2", "UPDATE at_once_effects SET amount = amount + $2 WHERE ticket = $1",
+                       "t-6", 10) is AtOnce.TAKEN
+    assert await effects(database) == [("t-6", 13)]
+
+
+def test_which_statements_can_be_guarded() -> None:
+    assert can_guard(INSERT) and can_guard("update t set a = 1") and can_guard("DELETE FROM t")
+    assert can_guard("WITH x AS (SELECT 1) INSERT INTO t SELECT * FROM x")
+    assert can_guard("with recursive x AS (SELECT 1) DELETE FROM t")
+    for other in ("SELECT 1", "-- a comment\nINSERT INTO t VALUES (1)", "COPY t FROM STDIN", "insertion"):
+        assert not can_guard(other), other
