@@ -1,11 +1,13 @@
-"""Idempotent HTTP endpoints: the same FastAPI endpoint (insert one row, answer 201) three ways, on
-PostgreSQL over asyncpg, each a uvicorn process of its own (one worker, ``--http httptools``, no
-access log) on a fresh database (see :mod:`bench.http_servers`):
+"""Idempotent HTTP endpoints: the same FastAPI endpoint (insert one row whose id it makes, answer 201)
+several ways, on PostgreSQL over asyncpg, each a uvicorn process of its own (one worker, ``--http
+httptools``, no access log) on a fresh database (see :mod:`bench.http_servers`):
 
 - ceiling: no idempotency at all;
 - hand-written: an idempotency-key table a careful user writes on asyncpg, all in one transaction;
-- consumer-kit: ``IdempotencyKey(single_transaction=True, driver="asyncpg")`` in ``IdempotencyMiddleware``'s
-  prefix style, the row written through ``ctx.connection``.
+- consumer-kit: ``IdempotencyKey(staged=True, driver="asyncpg")`` in ``IdempotencyMiddleware``'s prefix
+  style, the row staged (``ctx.stage``): the row, the key and the response go in one statement;
+- consumer-kit, 1 txn: ``IdempotencyKey(single_transaction=True, driver="asyncpg")``, the row written
+  through ``ctx.connection`` inside the transaction that holds the key (a route that must read first).
 
 A round starts each side's server in turn (one at a time: each holds up to ``POOL`` connections),
 warms it up, empties the tables, gives it ``N`` requests with fresh keys, then the same ``N``
@@ -19,11 +21,10 @@ by the server's sockets), so that what limits a side shows.
 Targets: consumer-kit >= 1.0x the hand-written peer on new keys, its replays >= 3.0x the ceiling,
 its new keys >= 0.7x the ceiling.
 
-``CK_BENCH_N``, ``CK_BENCH_ROUNDS``; ``CK_BENCH_HTTP_EXTRA=kit-db,kit-dependency,kit-two,kit-staged,floor``
-adds consumer-kit through ``ctx.db``, claiming in a route dependency, on its default two transactions (and
-in a dependency), with the row staged (``staged=True``: the route makes the order's id itself, and the
-row, the key and the response go in one statement), and the endpoint without a database (what FastAPI
-and uvicorn cost by themselves).
+``CK_BENCH_N``, ``CK_BENCH_ROUNDS``; ``CK_BENCH_HTTP_EXTRA=kit-db,kit-dependency,kit-two,floor`` adds
+consumer-kit in one transaction through ``ctx.db``, staged but claiming in a route dependency, on its
+default two transactions (in a dependency), and the endpoint without a database (what FastAPI and
+uvicorn cost by themselves).
 ``CK_BENCH_PROFILE=<dir>`` runs consumer-kit's servers under cProfile (a ``.prof`` a turn, warm-up included,
 written when it stops;
 the rates are then not comparable).
@@ -87,13 +88,14 @@ SIDES = {side.name: side for side in (
     Side("floor", "floor: no database (HTTP stack alone)", "bench.http_servers:floor", {}, False, rows=0),
     Side("ceiling", "ceiling: no idempotency", "bench.http_servers:ceiling", {}, False),
     Side("handwritten", "hand-written key table, 1 txn", "bench.http_servers:handwritten", {}, True),
-    Side("kit", "consumer-kit, 1 txn, prefix", "bench.http_servers:kit", {}, True),
-    Side("kit-db", "consumer-kit, 1 txn, prefix, ctx.db", "bench.http_servers:kit", {"BENCH_KIT_VIA": "db"}, True),
-    Side("kit-dependency", "consumer-kit, 1 txn, dependency", "bench.http_servers:kit",
+    Side("kit", "consumer-kit, staged, prefix", "bench.http_servers:kit", {"BENCH_KIT_TX": "staged"}, True),
+    Side("kit-one", "consumer-kit, 1 txn, prefix", "bench.http_servers:kit", {"BENCH_KIT_TX": "one"}, True),
+    Side("kit-db", "consumer-kit, 1 txn, prefix, ctx.db", "bench.http_servers:kit",
+         {"BENCH_KIT_TX": "one", "BENCH_KIT_VIA": "db"}, True),
+    Side("kit-dependency", "consumer-kit, staged, dependency", "bench.http_servers:kit",
          {"BENCH_KIT_STYLE": "dependency"}, True),
     Side("kit-two", "consumer-kit, 2 txns, dependency", "bench.http_servers:kit",
          {"BENCH_KIT_STYLE": "dependency", "BENCH_KIT_TX": "two"}, True),
-    Side("kit-staged", "consumer-kit, staged, prefix", "bench.http_servers:kit", {"BENCH_KIT_TX": "staged"}, True),
 )}
 
 
@@ -328,7 +330,7 @@ async def main() -> bool:
     """Run every side for ``ROUNDS`` rounds, print requests/s, CPU and the ratios; True when every
     target is met and every request was answered as it should be."""
     extra = [n for n in os.environ.get("CK_BENCH_HTTP_EXTRA", "").split(",") if n]
-    names = ["ceiling", "handwritten", "kit", *extra]
+    names = ["ceiling", "handwritten", "kit", "kit-one", *extra]
     async with migrated_database() as dsn:
         conn = await asyncpg.connect(dsn)
         try:

@@ -1,8 +1,8 @@
 """The servers of the idempotent-HTTP benchmark (``python -m bench http``), as uvicorn factories
 configured by the environment (``BENCH_PLAIN_URL``, ``BENCH_DATABASE_URL``, ``BENCH_HMAC_KEY``,
 ``BENCH_POOL``, ``BENCH_TABLE``, ``BENCH_KIT_VIA``, ``BENCH_KIT_STYLE``). Each serves the same FastAPI
-endpoint, ``POST /orders`` with a JSON ``{"sku", "quantity"}``: insert one row into its table
-(``BENCH_TABLE``, one a side, so that each side's rows can be counted) and answer 201 with it.
+endpoint, ``POST /orders`` with a JSON ``{"sku", "quantity"}``: make the order's id, insert one row into
+its table (``BENCH_TABLE``, one a side, so that each side's rows can be counted) and answer 201 with it.
 
 - ``floor``: no database at all (the cost of the HTTP stack alone).
 - ``ceiling``: no idempotency at all; the row is inserted on the asyncpg pool and the dict returned.
@@ -13,15 +13,15 @@ endpoint, ``POST /orders`` with a JSON ``{"sku", "quantity"}``: insert one row i
   a retry runs again; two requests with one key never both run (the lock), and one that comes after
   the commit sees the stored row (PostgreSQL releases the lock only once the commit is visible).
 - ``kit``: consumer-kit's ``IdempotencyKey`` and ``IdempotencyMiddleware``, configured as a user who
-  wants this endpoint fast would: ``single_transaction=True`` (every effect is the row, so the key, the
-  row and the response commit together, as the hand-written peer's do), ``driver="asyncpg"`` (the route
-  writes through ``ctx.connection``, the asyncpg connection inside that transaction), and the
+  wants this endpoint fast would: ``staged=True`` (the route only writes the row, and its answer needs
+  nothing back from it: the row is staged with ``ctx.stage``, and the row, the key and the response go
+  to PostgreSQL in one statement), ``driver="asyncpg"`` (on the store's asyncpg pool), and the
   middleware's prefix style (``keys=``, ``prefix=``: a replay is answered before FastAPI routes the
-  request; the route reads its context with ``idempotency_context``). ``BENCH_KIT_STYLE=dependency``
-  claims in a route dependency instead, ``BENCH_KIT_TX=two`` takes the default two transactions (a
-  lease committed first), ``BENCH_KIT_TX=staged`` stages the row (``staged=True``: the route makes the
-  order's id itself, and the row, the key and the response go in one statement), ``BENCH_KIT_VIA=db``
-  writes through ``ctx.db`` (SQLAlchemy).
+  request; the route reads its context with ``idempotency_context``). ``BENCH_KIT_TX=one`` takes one
+  transaction instead (``single_transaction=True``: the key held, then the row written through
+  ``ctx.connection`` inside that transaction, as the hand-written peer's is), ``BENCH_KIT_TX=two`` the
+  default two transactions (a lease committed first); ``BENCH_KIT_STYLE=dependency`` claims in a route
+  dependency, ``BENCH_KIT_VIA=db`` writes through ``ctx.db`` (SQLAlchemy; one transaction).
 """
 
 # No ``from __future__ import annotations``: FastAPI reads the routes' annotations at run time, and
@@ -50,8 +50,10 @@ from consumer_kit.http.idempotency import (
 
 POOL = int(os.environ.get("BENCH_POOL", "32"))
 TABLE = os.environ.get("BENCH_TABLE", "bench_orders")
-INSERT = f"INSERT INTO {TABLE} (sku, quantity) VALUES ($1, $2) RETURNING id"
-STAGED_INSERT = f"INSERT INTO {TABLE} (id, sku, quantity) VALUES ($1, $2, $3)"
+# Every side makes the order's id itself (a random 62-bit integer), as an API that names its objects
+# before it writes them does: so that consumer-kit's staged route, whose answer cannot wait for the
+# write, serves the same endpoint as the others.
+INSERT = f"INSERT INTO {TABLE} (id, sku, quantity) VALUES ($1, $2, $3)"
 KEYS_TABLE = "bench_idempotency_keys"
 
 
@@ -60,7 +62,7 @@ def schema(tables: list[str]) -> list[str]:
     keys, with what a replay needs and ``created_at`` (indexed) for its sweeper, as the inbox has
     ``expires_at``."""
     return [
-        *(f"CREATE TABLE {t} (id bigserial PRIMARY KEY, sku text NOT NULL, quantity integer NOT NULL)"
+        *(f"CREATE TABLE {t} (id bigint PRIMARY KEY, sku text NOT NULL, quantity integer NOT NULL)"
           for t in tables),
         f"CREATE TABLE {KEYS_TABLE} (key text PRIMARY KEY, request_hash bytea NOT NULL, status integer NOT NULL,"
         " body bytea NOT NULL, created_at timestamptz NOT NULL DEFAULT now())",
@@ -71,7 +73,7 @@ def schema(tables: list[str]) -> list[str]:
 orders = Table(
     TABLE,
     MetaData(),
-    Column("id", BigInteger, primary_key=True, autoincrement=True),
+    Column("id", BigInteger, primary_key=True, autoincrement=False),
     Column("sku", Text, nullable=False),
     Column("quantity", Integer, nullable=False),
 )
@@ -120,7 +122,8 @@ def ceiling() -> FastAPI:
 
     @api.post("/orders", status_code=201)
     async def create_order(order: Order) -> dict[str, Any]:
-        order_id = await pool["db"].fetchval(INSERT, order.sku, order.quantity)
+        order_id = secrets.randbits(62)
+        await pool["db"].execute(INSERT, order_id, order.sku, order.quantity)
         return {"id": order_id, "sku": order.sku, "quantity": order.quantity}
 
     return api
@@ -173,7 +176,8 @@ def handwritten() -> FastAPI:
                     return _error(422, "idempotency_key_reused")
                 return Response(stored["body"], status_code=stored["status"], media_type="application/json",
                                 headers={"Idempotency-Replayed": "true"})
-            order_id = await conn.fetchval(INSERT, order.sku, order.quantity)
+            order_id = secrets.randbits(62)
+            await conn.execute(INSERT, order_id, order.sku, order.quantity)
             answer = JSONResponse({"id": order_id, "sku": order.sku, "quantity": order.quantity}, status_code=201)
             await conn.execute(STORE, key, request_hash, answer.status_code, answer.body)
         return answer
@@ -192,7 +196,7 @@ def kit() -> FastAPI:
     app = ConsumerApp(settings)
     api = FastAPI(lifespan=lifespan(app))
     via_db = os.environ.get("BENCH_KIT_VIA", "connection") == "db"
-    tx = os.environ.get("BENCH_KIT_TX", "one")
+    tx = os.environ.get("BENCH_KIT_TX", "staged")
     keys = IdempotencyKey(app, namespace="orders", version=1, driver="sqlalchemy" if via_db else "asyncpg",
                           single_transaction=tx != "two", staged=tx == "staged")
     if os.environ.get("BENCH_KIT_STYLE", "prefix") == "prefix":
@@ -202,27 +206,28 @@ def kit() -> FastAPI:
         api.add_middleware(IdempotencyMiddleware)
         context = Depends(keys)
 
-    if via_db:
+    if via_db and tx != "staged":
 
         @api.post("/orders", status_code=201)
         async def create_order_db(order: Order, ctx: Annotated[IdempotentContext, context]) -> dict[str, Any]:
-            result = await ctx.db.execute(orders.insert().values(sku=order.sku, quantity=order.quantity)
-                                          .returning(orders.c.id))
-            return {"id": result.scalar_one(), "sku": order.sku, "quantity": order.quantity}
+            order_id = secrets.randbits(62)
+            await ctx.db.execute(orders.insert().values(id=order_id, sku=order.sku, quantity=order.quantity))
+            return {"id": order_id, "sku": order.sku, "quantity": order.quantity}
 
     elif tx == "staged":
 
         @api.post("/orders", status_code=201)
         async def create_order_staged(order: Order, ctx: Annotated[IdempotentContext, context]) -> dict[str, Any]:
-            order_id = secrets.randbits(62)  # the id made before the write, so that the answer needs no RETURNING
-            ctx.stage(STAGED_INSERT, order_id, order.sku, order.quantity)
+            order_id = secrets.randbits(62)
+            ctx.stage(INSERT, order_id, order.sku, order.quantity)
             return {"id": order_id, "sku": order.sku, "quantity": order.quantity}
 
     else:
 
         @api.post("/orders", status_code=201)
         async def create_order(order: Order, ctx: Annotated[IdempotentContext, context]) -> dict[str, Any]:
-            order_id = await ctx.connection.fetchval(INSERT, order.sku, order.quantity)
+            order_id = secrets.randbits(62)
+            await ctx.connection.execute(INSERT, order_id, order.sku, order.quantity)
             return {"id": order_id, "sku": order.sku, "quantity": order.quantity}
 
     return api

@@ -142,7 +142,7 @@ class StagedOperation(Operation):
                                                outcome="processed", result=stored, statement=statement, args=args)
                     if done is AtOnce.WRITTEN:
                         keys.seen(taken=False)
-                        return await self._stored(reply)
+                        return await self._stored(reply, stored)
                     if done is AtOnce.SWEPT:
                         refused = keys.late()
                         if refused is not None:

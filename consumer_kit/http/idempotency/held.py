@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from consumer_kit.context import Context
 from consumer_kit.delivery import Delivery
@@ -75,6 +75,7 @@ class Operation:
         self.ex = ex
         app = keys.app
         self._started = asyncio.get_running_loop().time()
+        self._began_at = app.clock()
         self._writes = StagedWrites()
         outbox = OutboxWriter(app.pipeline.digester, keys.consumer, key, clock=app.clock)
         headers = {n.decode("latin-1").lower(): v.decode("latin-1") for n, v in request.headers
@@ -135,12 +136,17 @@ class Operation:
         except BaseException as exc:
             await self._give_back(exc, "failed")
             raise
-        return await self._stored(reply)
+        return await self._stored(reply, stored)
 
-    async def _stored(self, reply: Reply) -> Reply:
-        """End the operation whose response was just stored: ``reply`` is what to send."""
+    async def _stored(self, reply: Reply, stored: dict[str, Any]) -> Reply:
+        """End the operation whose response was just stored (as ``stored``): ``reply`` is what to send.
+        The endpoint remembers it, for its repeats, until the earliest expiry its row can have."""
         self._ended = True
         await self._connection.aclose()
+        inbox = self.keys.app.inbox
+        self.keys.finished.keep({"state": "completed", "key_digest": self.claim.digest, "fingerprint": self.fingerprint,
+                                 "attempts": self.claim.attempts, "result": stored, "locked_until": None},
+                                until=self._began_at + inbox.retention - inbox.lease)
         self.keys.count("processed")
         self.keys.timed(asyncio.get_running_loop().time() - self._started)
         self._end_span(reply.status, "processed")

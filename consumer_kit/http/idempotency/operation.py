@@ -42,6 +42,7 @@ from consumer_kit.http import DEFAULT_BODY_LIMIT
 from consumer_kit.http.idempotency.deferred import StagedOperation
 from consumer_kit.http.idempotency.held import IdempotentContext, Operation, end_span, end_unwritten
 from consumer_kit.http.idempotency.keys import KeyRefused, fingerprint, header_key
+from consumer_kit.http.idempotency.remembered import Finished
 from consumer_kit.http.idempotency.replies import KEPT_HEADERS, Reply, RequestFacts, refusal, replay
 from consumer_kit.keys import OperationKey, short
 from consumer_kit.pipeline.duplicates import DuplicateShare
@@ -56,6 +57,11 @@ __all__ = ["PASS", "READ_FIRST_ABOVE", "Held", "IdempotentContext", "KeyRules", 
 
 READ_FIRST_ABOVE = 0.25
 """The share of an endpoint's requests that are repeats above which a key is looked up before it is claimed."""
+
+REMEMBER_BYTES = 8 * 1024 * 1024
+"""How much of its finished keys' answers an endpoint keeps in memory by default, to answer repeats
+without a read (see :mod:`~consumer_kit.http.idempotency.remembered`)."""
+
 
 class Held(NamedTuple):
     """A key held in a transaction (:meth:`KeyRules.take`)."""
@@ -96,7 +102,8 @@ class KeyRules:
     on PostgreSQL on asyncpg in a single statement when the route staged one statement (see
     :class:`~consumer_kit.http.idempotency.deferred.StagedOperation`). ``driver="asyncpg"`` (PostgreSQL
     on asyncpg): the route writes through ``ctx.connection`` only, not ``ctx.db``, on the store's own
-    asyncpg pool.
+    asyncpg pool. ``remember_bytes``: how much of its finished keys' answers the endpoint keeps in this
+    process to answer their repeats without a read, each until its record's expiry (0: none).
     """
 
     def __init__(self, app: ConsumerApp, *, namespace: str, version: int, name: str | None = None,
@@ -104,7 +111,7 @@ class KeyRules:
                  bare_keys: bool = False, after_retention: Literal["refuse", "run"] = "refuse",
                  body_limit: int = DEFAULT_BODY_LIMIT, response_limit: int | None = None,
                  timeout_seconds: float | None = None, single_transaction: bool = False, staged: bool = False,
-                 driver: Literal["sqlalchemy", "asyncpg"] = "sqlalchemy") -> None:
+                 driver: Literal["sqlalchemy", "asyncpg"] = "sqlalchemy", remember_bytes: int = REMEMBER_BYTES) -> None:
         OperationKey(namespace, version, "probe")  # fail at construction on a bad namespace or version
         if after_retention not in ("refuse", "run"):
             raise ValueError(f"after_retention must be 'refuse' or 'run', not {after_retention!r}")
@@ -127,6 +134,7 @@ class KeyRules:
         self.staged = staged
         self.uses_db = driver == "sqlalchemy"
         self._repeats = DuplicateShare(READ_FIRST_ABOVE)
+        self.finished = Finished(remember_bytes)
         self._counts = {outcome: metrics.IDEMPOTENT_REQUESTS.labels(self.name, outcome)
                         for outcome in metrics.IDEMPOTENT_OUTCOMES}
         self._seconds = metrics.IDEMPOTENT_SECONDS.labels(self.name)
@@ -207,11 +215,17 @@ class KeyRules:
         named = [(n.decode("latin-1"), v.decode("latin-1")) for n, v in request.headers
                  if n.lower() in self.fingerprint_headers]
         fp = fingerprint(request.method, request.path, request.query, request.body, content_type, named)
+        now = self.app.clock()
+        finished = self.finished.row(digests, now)
+        if finished is not None:  # a repeat of a key this process has seen finished: no read
+            self.seen(taken=True)
+            return self.taken(verdict(finished, fp))
         read_first = self._repeats.read_first(self.consumer)
         if read_first and inbox.shares_reads:  # a repeat then takes no connection of its own
             seen = await inbox.look(self.consumer, digests)
-            if seen is not None and not claimable(seen, fp, self.app.clock()):
-                self._repeats.count(self.consumer, taken=True)
+            if seen is not None and not claimable(seen, fp, now):
+                self.finished.keep(seen)
+                self.seen(taken=True)
                 return self.taken(verdict(seen, fp))
         if self.staged:
             return StagedOperation(self, key, fp, request, digests, span)

@@ -1,0 +1,53 @@
+"""An idempotent endpoint's memory of finished keys (``consumer_kit.http.idempotency.remembered``): only
+completed rows with an answer, each until its expiry, within a budget of bytes."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from consumer_kit.http.idempotency.remembered import ENTRY_BYTES, Finished
+
+NOW = datetime(2026, 12, 3, 8, 0, tzinfo=UTC)
+
+
+def row(digest: str, *, state: str = "completed", body: str = "e30=", expires: float = 60) -> dict[str, Any]:
+    return {"key_digest": digest, "state": state, "fingerprint": "f", "attempts": 1, "locked_until": None,
+            "result": {"status": 201, "headers": [], "body": body}, "expires_at": NOW + timedelta(seconds=expires)}
+
+
+def test_a_completed_row_is_remembered_until_its_expiry() -> None:
+    finished = Finished(1 << 20)
+    finished.keep(row("a"))
+    assert finished.row(["x", "a"], NOW) == row("a")  # under either HMAC key's digest
+    assert finished.row(["a"], NOW + timedelta(seconds=59)) is not None
+    assert finished.row(["a"], NOW + timedelta(seconds=60)) is None  # expired: forgotten
+    assert len(finished) == 0
+    finished.keep(row("b"), until=NOW + timedelta(seconds=5))  # a row as written: the earliest expiry it can have
+    assert finished.row(["b"], NOW + timedelta(seconds=5)) is None
+
+
+def test_only_final_answers_are_remembered() -> None:
+    finished = Finished(1 << 20)
+    for state in ("started", "dead"):
+        finished.keep(row(state, state=state))
+    no_answer = row("c")
+    no_answer["result"] = None
+    finished.keep(no_answer)
+    assert len(finished) == 0
+    off = Finished(0)  # a budget of 0 keeps nothing
+    off.keep(row("d"))
+    assert off.row(["d"], NOW) is None
+
+
+def test_the_budget_keeps_the_most_recently_used() -> None:
+    entry = ENTRY_BYTES + 4
+    finished = Finished(entry * 20)
+    for name in "abcdefghijklmnopqrst":
+        finished.keep(row(name))
+    assert len(finished) == 20
+    assert finished.row(["a"], NOW) is not None  # used: now the newest
+    finished.keep(row("u"))
+    assert finished.row(["b"], NOW) is None and finished.row(["a"], NOW) is not None and len(finished) == 20
+    finished.keep(row("big", body="x" * (entry * 20 // 16)))  # over a sixteenth of the budget: not kept
+    assert finished.row(["big"], NOW) is None
