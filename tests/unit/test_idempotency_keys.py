@@ -8,9 +8,14 @@ import json
 from typing import Any
 
 import pytest
+from http_sfv.item import Item
+from hypothesis import given
+from hypothesis import strategies as st
 
+from consumer_kit.errors import InvalidKey
 from consumer_kit.http.idempotency import fingerprint, header_key
 from consumer_kit.http.idempotency.keys import KeyRefused
+from consumer_kit.keys import validate_key
 
 JSON = "application/json"
 
@@ -172,3 +177,26 @@ def test_the_parts_cannot_run_into_each_other() -> None:
     assert fp(query=b"ab=c") != fp(query=b"a=bc")
     assert fp(headers=[("ab", "c")]) != fp(headers=[("a", "bc")])
     assert fp(method="POS", path="T/x") != fp(method="POST", path="/x")
+
+
+@given(st.text(st.characters(min_codepoint=0, max_codepoint=0xFF), max_size=20),
+       st.sampled_from(['"{}"', "{}", ' "{}"', '"{}";a=1', '"{}" ', '"{}"x']))
+def test_the_plain_strings_pattern_reads_what_http_sfv_reads(inner: str, form: str) -> None:
+    raw = form.format(inner).encode("latin-1")
+    item = Item()
+    try:
+        item.parse(raw)
+        expected: object = item.value
+    except ValueError:
+        expected = None
+    try:
+        got: object = header_key([(b"idempotency-key", raw)], bare=False)
+    except KeyRefused:
+        got = None
+    if type(expected) is str:
+        try:
+            assert got == validate_key(expected)
+        except InvalidKey:
+            assert got is None
+    else:
+        assert got is None

@@ -4,15 +4,18 @@ request's fingerprint (what "the same request" means).
 The header is a Structured Field Item whose value is a String (RFC 8941 section 3.3.3, as the IETF draft
 ``draft-ietf-httpapi-idempotency-key-header`` says): ``Idempotency-Key: "8e03978e-40d5-43e8"``. It is
 parsed with ``http-sfv`` rather than by hand, since the grammar (escapes, parameters, trailing text) is
-easy to get subtly wrong. A client that sends the key bare (``Idempotency-Key: 8e03978e``, as many
-SDKs do) is refused unless the endpoint accepts ``bare_keys``; either way the key is then held to the
-rules every operation key follows (:func:`consumer_kit.keys.validate_key`).
+easy to get subtly wrong; only the form nearly every client sends, a quoted string with nothing to
+unescape and nothing after it, is read by a pattern first (the same value, tested against http-sfv).
+A client that sends the key bare (``Idempotency-Key: 8e03978e``, as many SDKs do) is refused unless the
+endpoint accepts ``bare_keys``; either way the key is then held to the rules every operation key follows
+(:func:`consumer_kit.keys.validate_key`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Iterable, Sequence
 from urllib.parse import parse_qsl
 
@@ -23,6 +26,9 @@ from consumer_kit.keys import validate_key
 from consumer_kit.untrusted import UnparseableJson, loads_json
 
 HEADER = b"idempotency-key"
+# An sf-string as nearly every client sends it: printable ASCII in quotes, no backslash or quote inside
+# (RFC 8941's unescaped characters), nothing around it. Anything else goes to http-sfv.
+_PLAIN_STRING = re.compile(rb'"([\x20\x21\x23-\x5b\x5d-\x7e]*)"')
 
 __all__ = ["HEADER", "KeyRefused", "fingerprint", "header_key"]
 
@@ -45,13 +51,17 @@ def header_key(raw_headers: Iterable[tuple[bytes, bytes]], *, bare: bool = False
     if len(values) > 1:
         raise KeyRefused("idempotency_key_repeated")
     raw = values[0]
-    item = Item()
     value: object
-    try:
-        item.parse(raw)
-        value = item.value
-    except ValueError:
-        value = None
+    plain = _PLAIN_STRING.fullmatch(raw)
+    if plain is not None:  # a quoted string with nothing to unescape and no parameters: what http-sfv reads too
+        value = plain.group(1).decode("ascii")
+    else:
+        item = Item()
+        try:
+            item.parse(raw)
+            value = item.value
+        except ValueError:
+            value = None
     if type(value) is not str:  # a Token or a number is not the draft's String
         if not bare:
             raise KeyRefused("idempotency_key_malformed")
