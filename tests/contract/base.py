@@ -26,6 +26,7 @@ from typing import Any, ClassVar, Self
 import pytest
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.trace import SpanKind
+from prometheus_client import REGISTRY
 from sqlalchemy import Column, Integer, MetaData, String, Table, select
 from sqlalchemy.ext.asyncio import create_async_engine
 
@@ -308,9 +309,17 @@ class Contract:
 
     async def wait_acked(self, sent: Sent, what: str = "the delivery to be acknowledged", seconds: float = 20) -> None:
         async def acked() -> bool:
-            return await self.adapter.acked(sent)
+            # and none of the source's deliveries still in the pipeline: a transport may count a delivery
+            # handed to the consumer as gone (RabbitMQ's ready count) while its transaction is still open
+            return await self.adapter.acked(sent) and self.in_flight() == 0
 
         await self.wait(acked, what, seconds)
+
+    def in_flight(self) -> float:
+        """How many deliveries of the serving source the pipeline is processing now."""
+        if self.source is None:
+            return 0.0
+        return REGISTRY.get_sample_value("consumer_kit_in_flight", {"source": self.source.name}) or 0.0
 
     async def wait_dead_lettered(self, sent: Sent, reason: str, seconds: float = 20) -> None:
         async def dead() -> bool:
