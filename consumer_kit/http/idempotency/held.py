@@ -36,8 +36,6 @@ class IdempotentContext(Context):
     caller: str | None
 
 
-
-
 _GIVEN_BACK_STATUS = {"timed_out": 503, "lease_lost": 409, "invalid_request": 422}
 """The answer to a request whose key was given back, by outcome (others: 500), for its span."""
 

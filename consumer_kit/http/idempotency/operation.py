@@ -1,5 +1,6 @@
-"""One idempotent endpoint's rules (:class:`KeyRules`) and one request that holds its key
-(:class:`Operation`): the seed's two transactions around the route, on the inbox.
+"""One idempotent endpoint's rules (:class:`KeyRules`), which begin each request: the seed's two
+transactions around the route, on the inbox (the request that holds its key is an
+:class:`~consumer_kit.http.idempotency.held.Operation`).
 
 ::
 
@@ -19,9 +20,13 @@
     BEGIN; hold the key (PostgreSQL: its advisory lock, not waited for: in flight -> 409); route(ctx);
            insert the row completed with the response; COMMIT      a crash or a 5xx leaves nothing behind
 
-While many of an endpoint's requests are repeats, the key is first looked up (on PostgreSQL in a read
-shared with the other requests under way, on no connection of the request's own): a repeat of finished
-work then costs a share of one read.
+    staged=True (a route that only stages its writes): nothing held while it runs; then its writes, the
+    key and the response together (:mod:`~consumer_kit.http.idempotency.deferred`)
+
+A repeat of a key this process finished is answered from memory (:mod:`.remembered`). While many of an
+endpoint's requests are repeats, the key is first looked up (on PostgreSQL in a read shared with the
+other requests under way, on no connection of the request's own): a repeat of finished work then costs
+a share of one read.
 
 The adapters that feed it requests (an ASGI middleware, a FastAPI dependency, a Starlette endpoint
 decorator) are :mod:`consumer_kit.http.idempotency.asgi`. This module needs no web framework.
