@@ -39,6 +39,39 @@ async def scratch_database(admin_url: str = PG_ADMIN) -> AsyncIterator[str]:
             await admin.close()
 
 
+def production_settings(wal_compression: str = "lz4") -> dict[str, str]:
+    """A production server's settings for this host: ``shared_buffers`` a quarter of its memory (at most
+    8 GB), ``effective_cache_size`` half, ``max_wal_size`` 8 GB and ``checkpoint_timeout`` 15 minutes,
+    autovacuum on, ``wal_compression`` (past a checkpoint, a page's first change writes the whole page to the
+    WAL), and pg_stat_statements loaded with I/O timing, so that a run can say where a statement's time went."""
+    memory_mb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 1_048_576
+    return {"shared_buffers": f"{min(8192, max(128, memory_mb // 4))}MB",
+            "effective_cache_size": f"{memory_mb // 2}MB", "max_wal_size": "8GB", "checkpoint_timeout": "15min",
+            "autovacuum": "on", "wal_compression": wal_compression,
+            "shared_preload_libraries": "pg_stat_statements", "track_io_timing": "on"}
+
+
+@contextlib.asynccontextmanager
+async def bench_server(kind: str, *, wal_compression: str = "lz4") -> AsyncIterator[str]:
+    """The PostgreSQL server a store benchmark runs on; yields its admin URL. ``own``: a throwaway cluster of
+    the run's own (``initdb`` in a temporary directory, as the chaos suite's crash runs do) with
+    :func:`production_settings`; ``shared``: the machine's server (``CK_BENCH_PG_ADMIN_URL``) as it is
+    configured (Debian's 128 MB of ``shared_buffers``; CI's has autovacuum off)."""
+    if kind == "shared":
+        yield PG_ADMIN
+        return
+    if kind != "own":
+        raise ValueError(f"a benchmark server is 'own' or 'shared', not {kind!r}")
+    from tests.chaos.server import OwnServer  # the repository's throwaway cluster, as for the crash runs
+
+    server = OwnServer(production_settings(wal_compression))
+    await asyncio.to_thread(server.start)
+    try:
+        yield server.admin_url
+    finally:
+        await asyncio.to_thread(server.remove)
+
+
 @contextlib.asynccontextmanager
 async def migrated_database(admin_url: str = PG_ADMIN) -> AsyncIterator[str]:
     """:func:`scratch_database` with consumer-kit's schema at head; yields its plain URL."""

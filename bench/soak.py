@@ -1,7 +1,10 @@
 """Issue 31's soak: the inbox at a fixed rate for a long while, with the sweeper running as in
 production and one long transaction in the middle, printed minute by minute.
 
-What runs, against a scratch PostgreSQL database migrated to head:
+What runs, against a scratch PostgreSQL database migrated to head, on a server of the run's own configured as
+production would be (``bench.common.production_settings``: ``shared_buffers`` a quarter of the host's memory,
+autovacuum on, checkpoints every 15 minutes or 8 GB of WAL, ``wal_compression``), or with
+``CK_BENCH_SOAK_SERVER=shared`` on the machine's server as it is configured:
 
 - **the load**: new keys at a fixed rate (open loop: a key is started when its time comes, whether or
   not the ones before it have finished, at most ``CK_BENCH_SOAK_CONCURRENCY`` at once), each through the
@@ -27,7 +30,7 @@ What runs, against a scratch PostgreSQL database migrated to head:
 Every minute: keys/s started and completed, claim p50/p99 (the claim statement's time, ms), rows swept
 a second, the inbox's live and dead rows (``pg_stat_user_tables``), the inbox's heap and index size,
 the tombstones' rows and total size, the longest sweep of the minute (seconds), the vacuums run on
-either so far, and the share of the
+either so far, the checkpoints so far, and the share of the
 minute's completions that were heap-only updates (no index entries written). At the end, the steady-state
 verdicts the issue names: every minute's claim p99 within 1.5x of the first minute's; the size flat
 after the first retention period (the last five minutes grow by at most 5%); and rows swept at least
@@ -49,7 +52,7 @@ from dataclasses import dataclass, field
 
 import asyncpg
 
-from bench.common import migrated_database
+from bench.common import bench_server, migrated_database
 from consumer_kit import Settings
 from consumer_kit.keys import KeyDigester
 from consumer_kit.store import Database, Inbox, create_engine
@@ -60,6 +63,7 @@ PROBE_SECONDS = float(os.environ.get("CK_BENCH_SOAK_PROBE_SECONDS", "30"))
 RETENTION = int(os.environ.get("CK_BENCH_SOAK_RETENTION", "120"))
 TOMBSTONE = int(os.environ.get("CK_BENCH_SOAK_TOMBSTONE", "240"))
 CONCURRENCY = int(os.environ.get("CK_BENCH_SOAK_CONCURRENCY", "32"))
+SERVER = os.environ.get("CK_BENCH_SOAK_SERVER", "own")
 SEED_PEAK = 2000
 HEADROOM = 0.85
 CONSUMER = "soak"
@@ -248,6 +252,11 @@ FROM pg_stat_user_tables WHERE relname IN ('inbox', 'inbox_tombstones')
 """
 
 
+_CHECKPOINTS = "SELECT checkpoints_timed + checkpoints_req FROM pg_stat_bgwriter"
+_SETTINGS = ("shared_buffers", "max_wal_size", "checkpoint_timeout", "wal_compression", "synchronous_commit",
+             "autovacuum", "autovacuum_vacuum_cost_delay", "autovacuum_vacuum_cost_limit", "server_version")
+
+
 def _mb(size: int) -> str:
     return f"{size / 1_048_576:7.1f}"
 
@@ -256,7 +265,7 @@ async def main() -> bool:
     logging.getLogger("consumer_kit").setLevel(logging.WARNING)
     settings = _Defaults()
     opens, closes = _long_window()
-    async with migrated_database() as dsn:
+    async with bench_server(SERVER) as admin_url, migrated_database(admin_url) as dsn:
         engine = create_engine(dsn.replace("postgresql://", "postgresql+asyncpg://"), pool_size=CONCURRENCY)
         database = Database(engine)
         inbox = Inbox(database, lease_seconds=settings.inbox_lease_seconds, retention_seconds=RETENTION,
@@ -298,6 +307,7 @@ class Row:
     tomb_size: int
     sweep_seconds: float
     vacuums: int
+    checkpoints: int
     hot: float
     long_open: bool
 
@@ -305,14 +315,13 @@ class Row:
         cells = (f"{self.minute:3d} {self.started:9.0f} {self.completed:7.0f} {self.p50:9.3f} {self.p99:7.3f}"
                  f" {self.swept:8.0f} {self.live:8d} {self.dead:8d} {_mb(self.heap)} {_mb(self.indexes)}"
                  f" {self.tomb_rows:8d} {_mb(self.tomb_size)} {self.sweep_seconds:7.1f} {self.vacuums:4d}"
-                 f" {self.hot:4.0%}")
+                 f" {self.checkpoints:4d} {self.hot:4.0%}")
         return f"  {cells}{'  long transaction' if self.long_open else ''}"
 
 
 _COLUMNS = (("min", 3), ("started/s", 9), ("done/s", 7), ("claim p50", 9), ("p99 ms", 7), ("swept/s", 8),
             ("live", 8), ("dead", 8), ("heap MB", 7), ("idx MB", 7), ("tombs", 8), ("tomb MB", 7), ("sweep s", 7),
-            ("vac", 4),
-            ("hot", 4))
+            ("vac", 4), ("ckpt", 4), ("hot", 4))
 
 
 async def _soak(dsn: str, load: Load, inbox: Inbox, settings: _Defaults, rate: int,
@@ -320,6 +329,9 @@ async def _soak(dsn: str, load: Load, inbox: Inbox, settings: _Defaults, rate: i
     print(f"soak: {rate} keys/s for {MINUTES} min; retention {RETENTION} s, tombstones {TOMBSTONE} s, sweep every "
           f"{settings.sweep_interval_seconds:.0f} s in batches of {settings.sweep_batch_size}; a REPEATABLE READ "
           f"transaction open from minute {opens:g} to {closes:g}", flush=True)
+    shown = [f"{name} {await stats.fetchval(f'SHOW {name}')}" for name in _SETTINGS]
+    where = "the run's own server" if SERVER == "own" else "the machine's server"
+    print(f"  {where}: {', '.join(shown)}", flush=True)
     vacuum = await _autovacuum(stats, dsn)
     if vacuum is not None:
         print("  autovacuum is off on this server: the soak runs VACUUM where autovacuum would (see its docstring)",
@@ -334,6 +346,7 @@ async def _soak(dsn: str, load: Load, inbox: Inbox, settings: _Defaults, rate: i
         tasks.append(asyncio.create_task(vacuum.forever()))
     rows: list[Row] = []
     hot = (0, 0)  # the inbox's updates and heap-only ones, so far
+    checkpoints = await stats.fetchval(_CHECKPOINTS)
     try:
         for minute in range(1, MINUTES + 1):
             await asyncio.sleep(max(0.0, began + minute * 60 - time.perf_counter()))
@@ -346,6 +359,7 @@ async def _soak(dsn: str, load: Load, inbox: Inbox, settings: _Defaults, rate: i
                       ibx["n_dead_tup"], ibx["heap"], ibx["indexes"], tmb["n_live_tup"], tmb["heap"] + tmb["indexes"],
                       done.sweep_seconds,
                       ibx["autovacuum_count"] + tmb["autovacuum_count"] + (vacuum.vacuums if vacuum else 0),
+                      await stats.fetchval(_CHECKPOINTS) - checkpoints,
                       (ibx["n_tup_hot_upd"] - hot[1]) / max(1, ibx["n_tup_upd"] - hot[0]),
                       long_open=minute - 1 < closes and minute > opens)
             rows.append(row)

@@ -52,7 +52,7 @@ from datetime import UTC, datetime
 
 import asyncpg
 
-from bench.common import PG_ADMIN, migrated_database
+from bench.common import bench_server, migrated_database
 from consumer_kit.keys import KeyDigester
 from consumer_kit.store import Database, Inbox, create_engine
 
@@ -64,6 +64,7 @@ CHUNK = 1_000_000
 CONSUMER = "store"
 HMAC_KEY = "bench-hmac-key-0123456789abcdef"
 SERVER = os.environ.get("CK_BENCH_STORE_SERVER", "own")
+WAL_COMPRESSION = os.environ.get("CK_BENCH_STORE_WAL_COMPRESSION", "lz4")
 # Where a statement's time goes, from pg_stat_statements (the own server loads it): blocks read from outside
 # shared_buffers (the kernel's cache or the disk) and the time those reads took, blocks it wrote back to make room,
 # and the full-page images its WAL carried (a page's first change after a checkpoint).
@@ -82,14 +83,6 @@ _LOAD = (
     " md5((i * 7)::text) || md5((i * 13)::text), 'completed', 1, 'processed', now() - interval '1 day', now(),"
     " now() + make_interval(secs => i % 604800) FROM generate_series($2::bigint, $3::bigint) i"
 )
-
-
-def _production_settings() -> dict[str, str]:
-    memory_mb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 1_048_576
-    return {"shared_buffers": f"{min(8192, max(128, memory_mb // 4))}MB",
-            "effective_cache_size": f"{memory_mb // 2}MB", "max_wal_size": "8GB", "checkpoint_timeout": "15min",
-            "autovacuum": "on", "wal_compression": os.environ.get("CK_BENCH_STORE_WAL_COMPRESSION", "lz4"),
-            "shared_preload_libraries": "pg_stat_statements", "track_io_timing": "on"}
 
 
 def _loaded_digest(i: int) -> str:
@@ -144,16 +137,8 @@ async def _measure(inbox: Inbox, database: Database, digests: Sequence[Sequence[
 
 
 async def main() -> bool:
-    if SERVER == "shared":
-        return await _run(PG_ADMIN)
-    from tests.chaos.server import OwnServer  # the repository's throwaway cluster, as for the crash runs
-
-    server = OwnServer(_production_settings())
-    await asyncio.to_thread(server.start)
-    try:
-        return await _run(server.admin_url)
-    finally:
-        await asyncio.to_thread(server.remove)
+    async with bench_server(SERVER, wal_compression=WAL_COMPRESSION) as admin_url:
+        return await _run(admin_url)
 
 
 async def _run(admin_url: str) -> bool:
