@@ -54,6 +54,43 @@ async def test_repeats_are_answered_from_memory_until_the_record_could_expire(da
             assert reads == [], (path, reads)
 
 
+async def test_a_repeat_sent_as_before_is_not_fingerprinted_again(database_url: str, reads: list[str],
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    # A repeat with the very bytes of a request the key is known to answer is replayed without parsing
+    # its JSON again; the same object written another way is fingerprinted once, then known too; a
+    # different request under the key is still a different request.
+    from consumer_kit.http.idempotency import operation
+
+    fingerprinted: list[str] = []
+
+    def counted(*args: Any, **kw: Any) -> str:
+        fingerprinted.append(args[1])
+        return fingerprint(*args, **kw)
+
+    fingerprint = operation.fingerprint
+    monkeypatch.setattr(operation, "fingerprint", counted)
+    api = build(make_settings(database_url))
+    async with served_asgi(api) as base, httpx.AsyncClient(base_url=base, timeout=30) as http:
+        for path in ("/labels", "/one", "/staged"):
+            key, ticket = uuid.uuid4().hex, uuid.uuid4().hex
+            headers = {"Idempotency-Key": f'"{key}"', "Content-Type": "application/json"}
+            sent = f'{{"ticket": "{ticket}"}}'.encode()
+            first = await http.post(path, content=sent, headers=headers)
+            assert first.status_code == 201, path
+            fingerprinted.clear()
+            reads.clear()
+            again = [await http.post(path, content=sent, headers=headers) for _ in range(3)]
+            assert all(a.content == first.content and a.headers["idempotency-replayed"] == "true" for a in again)
+            assert fingerprinted == [], path
+            respaced = f'{{ "ticket" :"{ticket}" }}'.encode()  # the same object, other bytes
+            twice = [await http.post(path, content=respaced, headers=headers) for _ in range(2)]
+            assert all(t.content == first.content for t in twice)
+            assert fingerprinted == [path], path  # the first of them only: then its bytes are known
+            other = await http.post(path, content=f'{{"ticket": "{ticket}", "size": 2}}'.encode(), headers=headers)
+            assert (other.status_code, other.json()["error"]) == (422, "idempotency_key_reused"), path
+            assert reads == [], (path, reads)
+
+
 async def test_a_key_finished_elsewhere_is_read_once_then_remembered(database_url: str, reads: list[str]) -> None:
     settings = make_settings(database_url)
     async with served_asgi(build(settings)) as one, served_asgi(build(settings)) as two, \

@@ -6,7 +6,8 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from consumer_kit.http.idempotency.remembered import ENTRY_BYTES, Finished
+from consumer_kit.http.idempotency.keys import sent_form
+from consumer_kit.http.idempotency.remembered import ENTRY_BYTES, SENT_KEPT, Finished
 
 NOW = datetime(2026, 12, 3, 8, 0, tzinfo=UTC)
 
@@ -51,3 +52,26 @@ def test_the_budget_keeps_the_most_recently_used() -> None:
     assert finished.row(["b"], NOW) is None and finished.row(["a"], NOW) is not None and len(finished) == 20
     finished.keep(row("big", body="x" * (entry * 20 // 16)))  # over a sixteenth of the budget: not kept
     assert finished.row(["big"], NOW) is None
+
+
+def test_the_forms_a_request_was_sent_in_are_kept_within_the_budget() -> None:
+    finished = Finished(1 << 20)
+    first = sent_form("POST", "/p", b"", b'{"a": 1}', b"application/json")
+    finished.keep(row("a"), sent=first)
+    kept = finished.recall(["a"], NOW)
+    assert kept is not None and kept.same(first)
+    assert not kept.same(sent_form("POST", "/p", b"", b'{"a":1}', b"application/json"))  # other bytes: not known
+    assert not kept.same(sent_form("POST", "/p", b"", b'{"a": 1}', b"text/plain"))  # nor another content type
+    forms = [sent_form("POST", "/p", b"", b'{"a":  1}' + b" " * n, b"application/json") for n in range(SENT_KEPT + 2)]
+    for form in forms:
+        finished.learn(kept, form)
+    assert sum(kept.same(form) for form in forms) == SENT_KEPT - 1  # at most SENT_KEPT forms, the first among them
+    assert kept.replay() is kept.replay()  # built once
+    assert kept.replay().headers[-1] == (b"idempotency-replayed", b"true")
+
+    small = Finished(ENTRY_BYTES * 16 + 64)  # an entry may take a sixteenth of the budget: its body and forms
+    small.keep(row("b"))
+    entry = small.recall(["b"], NOW)
+    assert entry is not None
+    small.learn(entry, sent_form("POST", "/p", b"", b"x" * 1024, None))  # too large for its share: not kept
+    assert entry.sent == []

@@ -61,13 +61,14 @@ class IdempotencyKey(KeyRules):
         super().__init__(app, namespace=namespace, version=version, **options)
         self.caller = caller
 
-    async def facts(self, request: Request, body: bytes) -> RequestFacts:
-        """What the rules read of ``request`` (its caller asked for here)."""
+    async def facts(self, request: Request | Scope, body: bytes) -> RequestFacts:
+        """What the rules read of ``request`` (a Starlette request, or its ASGI scope: a request is made
+        of it only for the endpoint's ``caller``, which is asked here)."""
+        scope = request.scope if isinstance(request, Request) else request
         caller = None
         if self.caller is not None:
-            named = self.caller(request)
+            named = self.caller(request if isinstance(request, Request) else Request(scope))
             caller = await named if inspect.isawaitable(named) else named
-        scope = request.scope
         return RequestFacts(scope["method"], scope["path"], scope.get("query_string", b""), scope["headers"], body,
                             caller)
 
@@ -269,7 +270,7 @@ class IdempotencyMiddleware:
             if body is None:
                 await send_reply(send, keys.counted(refusal(413, "payload_too_large", outcome="too_large")))
                 return
-            begun = await keys.begin(await keys.facts(Request(scope), body))
+            begun = await keys.begin(await keys.facts(scope, body))
             if isinstance(begun, Reply):
                 await send_reply(send, begun)
                 return

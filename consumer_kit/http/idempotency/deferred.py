@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, cast
 
 from consumer_kit.errors import TerminalError
 from consumer_kit.http.idempotency.held import Operation
+from consumer_kit.http.idempotency.keys import Sent
 from consumer_kit.http.idempotency.replies import Reply
 from consumer_kit.keys import short
 from consumer_kit.store import Claim, ClaimStatus, Executor, claimable, verdict
@@ -86,9 +87,9 @@ class StagedOperation(Operation):
     """One request to a ``staged=True`` endpoint, from its route's start to its stored response."""
 
     def __init__(self, keys: KeyRules, key: OperationKey, fp: str, request: RequestFacts, digests: Sequence[str],
-                 span: Span | None) -> None:
+                 span: Span | None, *, sent: Sent | None = None) -> None:
         super().__init__(keys, key, fp, request, Claim(ClaimStatus.ACQUIRED, digests[0], 1),
-                         contextlib.AsyncExitStack(), cast(Executor, _Unopened(keys.uses_db)), span)
+                         contextlib.AsyncExitStack(), cast(Executor, _Unopened(keys.uses_db)), span, sent=sent)
         self.single = True
         self._digests = digests
 

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from consumer_kit.context import Context
 from consumer_kit.delivery import Delivery
+from consumer_kit.http.idempotency.keys import Sent
 from consumer_kit.http.idempotency.replies import Reply, RequestFacts, refusal
 from consumer_kit.keys import OperationKey, short
 from consumer_kit.store import Claim, Executor, OutboxWriter, StagedWrites
@@ -60,10 +61,12 @@ class Operation:
 
     def __init__(self, keys: KeyRules, key: OperationKey, fp: str, request: RequestFacts, claim: Claim,
                  connection: contextlib.AsyncExitStack, ex: Executor, span: Span | None, *,
-                 transaction: contextlib.AsyncExitStack | None = None) -> None:
+                 transaction: contextlib.AsyncExitStack | None = None, sent: Sent | None = None) -> None:
         self.keys = keys
         self.key = key
         self.fingerprint = fp
+        self.sent = sent
+        """The request as sent (:func:`~.keys.sent_form`), remembered with its stored answer."""
         self.claim = claim
         self.single = transaction is not None
         """Whether the key is held in the route's transaction (``single_transaction``), not by a lease."""
@@ -144,7 +147,7 @@ class Operation:
         inbox = self.keys.app.inbox
         self.keys.finished.keep({"state": "completed", "key_digest": self.claim.digest, "fingerprint": self.fingerprint,
                                  "attempts": self.claim.attempts, "result": stored, "locked_until": None},
-                                until=self._began_at + inbox.retention - inbox.lease)
+                                until=self._began_at + inbox.retention - inbox.lease, sent=self.sent)
         self.keys.count("processed")
         self.keys.timed(asyncio.get_running_loop().time() - self._started)
         self._end_span(reply.status, "processed")

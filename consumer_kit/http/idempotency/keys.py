@@ -30,7 +30,7 @@ HEADER = b"idempotency-key"
 # (RFC 8941's unescaped characters), nothing around it. Anything else goes to http-sfv.
 _PLAIN_STRING = re.compile(rb'"([\x20\x21\x23-\x5b\x5d-\x7e]*)"')
 
-__all__ = ["HEADER", "KeyRefused", "fingerprint", "header_key"]
+__all__ = ["HEADER", "KeyRefused", "Sent", "fingerprint", "header_key", "key_of", "sent_form", "sent_size"]
 
 
 class KeyRefused(Exception):
@@ -45,7 +45,11 @@ def header_key(raw_headers: Iterable[tuple[bytes, bytes]], *, bare: bool = False
     """The key the request carries (``None``: no header). :class:`KeyRefused` for a header sent twice
     (``idempotency_key_repeated``), one that is not an sf-string or breaks the key rules
     (``idempotency_key_malformed``); the message never quotes the key."""
-    values = [value for name, value in raw_headers if name.lower() == HEADER]
+    return key_of([value for name, value in raw_headers if name.lower() == HEADER], bare=bare)
+
+
+def key_of(values: Sequence[bytes], *, bare: bool = False) -> str | None:
+    """:func:`header_key` of the request's ``Idempotency-Key`` header values, found already."""
     if not values:
         return None
     if len(values) > 1:
@@ -97,6 +101,24 @@ def fingerprint(method: str, path: str, query: bytes, body: bytes, content_type:
         part(name.encode("latin-1"))
         part(value.encode("latin-1", "replace"))
     return digest.hexdigest()
+
+
+Sent = tuple[str, str, bytes, bytes | None, bytes, tuple[tuple[bytes, bytes], ...]]
+"""A request as sent (:func:`sent_form`)."""
+
+
+def sent_form(method: str, path: str, query: bytes, body: bytes, content_type: bytes | None,
+              headers: Sequence[tuple[bytes, bytes]] = ()) -> Sent:
+    """Exactly what :func:`fingerprint` reads, as sent (the content type and the named ``headers`` raw):
+    two requests with equal forms have the same fingerprint. Comparing two costs a comparison of the
+    bytes, where the fingerprint parses a JSON body and writes it again and hashes it; a repeat whose
+    form is known for its key is the stored request without that."""
+    return method, path, query, content_type, body, tuple(headers)
+
+
+def sent_size(sent: Sent) -> int:
+    """What keeping ``sent`` costs, in bytes (its body and query, about)."""
+    return len(sent[2]) + len(sent[4]) + sum(len(n) + len(v) for n, v in sent[5])
 
 
 def _canonical(body: bytes, content_type: str | None) -> bytes:

@@ -46,7 +46,7 @@ from consumer_kit.errors import InvalidKey
 from consumer_kit.http import DEFAULT_BODY_LIMIT
 from consumer_kit.http.idempotency.deferred import StagedOperation
 from consumer_kit.http.idempotency.held import IdempotentContext, Operation, end_span, end_unwritten
-from consumer_kit.http.idempotency.keys import KeyRefused, fingerprint, header_key
+from consumer_kit.http.idempotency.keys import HEADER, KeyRefused, Sent, fingerprint, key_of, sent_form
 from consumer_kit.http.idempotency.remembered import Finished
 from consumer_kit.http.idempotency.replies import KEPT_HEADERS, Reply, RequestFacts, refusal, replay
 from consumer_kit.keys import OperationKey, short
@@ -197,8 +197,20 @@ class KeyRules:
             "consumer_kit.key.namespace": self.namespace, "consumer_kit.key.version": self.version}, headers)
 
     async def _begin(self, request: RequestFacts, span: Span | None) -> Reply | Operation | object:
+        values: list[bytes] = []
+        content_type: bytes | None = None
+        named: list[tuple[bytes, bytes]] = []
+        wanted = self.fingerprint_headers
+        for name, value in request.headers:  # one pass for the key, the content type and the named headers
+            lowered = name.lower()
+            if lowered == HEADER:
+                values.append(value)
+            elif lowered == b"content-type" and content_type is None:
+                content_type = value
+            if wanted and lowered in wanted:
+                named.append((lowered, value))
         try:
-            stable_id = header_key(request.headers, bare=self.bare_keys)
+            stable_id = key_of(values, bare=self.bare_keys)
         except KeyRefused as exc:
             return refusal(400, exc.code, outcome=exc.code.removeprefix("idempotency_"))
         if stable_id is None:
@@ -216,28 +228,34 @@ class KeyRules:
         digests = digester.candidates(key)
         if span is not None:
             span.set_attribute("consumer_kit.key.digest", short(digests[0]))
-        content_type = next((v.decode("latin-1") for n, v in request.headers if n.lower() == b"content-type"), None)
-        named = [(n.decode("latin-1"), v.decode("latin-1")) for n, v in request.headers
-                 if n.lower() in self.fingerprint_headers]
-        fp = fingerprint(request.method, request.path, request.query, request.body, content_type, named)
+        sent = sent_form(request.method, request.path, request.query, request.body, content_type, named)
         now = self.app.clock()
-        finished = self.finished.row(digests, now)
-        if finished is not None:  # a repeat of a key this process has seen finished: no read
+        remembered = self.finished.recall(digests, now)
+        if remembered is not None and remembered.same(sent):  # a repeat, as sent before, of a key finished here
             self.seen(taken=True)
-            return self.taken(verdict(finished, fp))
+            return remembered.replay()
+        fp = fingerprint(request.method, request.path, request.query, request.body,
+                         None if content_type is None else content_type.decode("latin-1"),
+                         [(n.decode("latin-1"), v.decode("latin-1")) for n, v in named])
+        if remembered is not None:  # a repeat of a key this process has seen finished: no read
+            self.seen(taken=True)
+            if remembered.row["fingerprint"] == fp:
+                self.finished.learn(remembered, sent)
+                return remembered.replay()
+            return self.taken(verdict(remembered.row, fp))
         read_first = self._repeats.read_first(self.consumer)
         if read_first and inbox.shares_reads:  # a repeat then takes no connection of its own
             seen = await inbox.look(self.consumer, digests)
             if seen is not None and not claimable(seen, fp, now):
-                self.finished.keep(seen)
+                self.finished.keep(seen, sent=sent if seen["fingerprint"] == fp else None)
                 self.seen(taken=True)
                 return self.taken(verdict(seen, fp))
         if self.staged:
-            return StagedOperation(self, key, fp, request, digests, span)
+            return StagedOperation(self, key, fp, request, digests, span, sent=sent)
         if self.single_transaction:
-            begun = await self._hold(request, key, digests, fp, span)
+            begun = await self._hold(request, key, digests, fp, span, sent)
         else:
-            begun = await self._lease(request, key, digests, fp, span)
+            begun = await self._lease(request, key, digests, fp, span, sent)
         self.seen(taken=isinstance(begun, Reply) and begun.outcome != "key_expired")
         return begun
 
@@ -246,7 +264,7 @@ class KeyRules:
         self._repeats.count(self.consumer, taken=taken)
 
     async def _lease(self, request: RequestFacts, key: OperationKey, digests: Sequence[str], fp: str,
-                     span: Span | None) -> Reply | Operation:
+                     span: Span | None, sent: Sent) -> Reply | Operation:
         """The two-transaction path's claim, committed at once, then the route's transaction begun."""
         database, inbox = self.app.database, self.app.inbox
         connection = contextlib.AsyncExitStack()
@@ -264,7 +282,7 @@ class KeyRules:
             if not claim.acquired:
                 await connection.aclose()
                 return self.taken(claim)
-            operation = Operation(self, key, fp, request, claim, connection, ex, span)
+            operation = Operation(self, key, fp, request, claim, connection, ex, span, sent=sent)
         except BaseException:
             await connection.__aexit__(*sys.exc_info())
             raise
@@ -272,13 +290,13 @@ class KeyRules:
         return operation
 
     async def _hold(self, request: RequestFacts, key: OperationKey, digests: Sequence[str], fp: str,
-                    span: Span | None) -> Reply | Operation:
+                    span: Span | None, sent: Sent) -> Reply | Operation:
         """The single-transaction path: begin the route's transaction and hold the key in it."""
         held = await self.take(digests, fp)
         if isinstance(held, Reply):
             return held
         return Operation(self, key, fp, request, held.claim, held.connection, held.ex, span,
-                         transaction=held.transaction)
+                         transaction=held.transaction, sent=sent)
 
     async def take(self, digests: Sequence[str], fp: str) -> Reply | Held:
         """A connection, a transaction begun on it, and the key held in it (what the single-transaction

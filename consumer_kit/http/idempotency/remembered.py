@@ -10,7 +10,10 @@ claim's expiry, which is at least that). Memory is bounded by a budget of bytes 
 bodies, and a little for each entry), oldest first out.
 
 Only what is final is kept: completed rows with a stored answer, each keyed by its digest (the
-caller's scope and the client's key, under the HMAC key in use). A sweeper whose clock runs ahead of
+caller's scope and the client's key, under the HMAC key in use), with the replay built once, and the
+raw forms of the requests known to be the one stored (:func:`~.keys.sent_form`: the same bytes as one
+already found the same request). A repeat sent as the first was then needs no fingerprint: its JSON
+body is not parsed and written again to be compared. A sweeper whose clock runs ahead of
 this process's may delete a row a little before this process forgets it; a repeat in between gets the
 stored answer again rather than ``idempotency_key_expired`` (or a second run), which is the answer it
 would have had a moment earlier.
@@ -23,8 +26,37 @@ from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
+from consumer_kit.http.idempotency.keys import Sent, sent_size
+from consumer_kit.http.idempotency.replies import Reply, replay
+
 ENTRY_BYTES = 256
 """What an entry costs besides its answer's body (the row's dict, the digest, the order)."""
+SENT_KEPT = 2
+"""How many raw forms of the same request an entry keeps (a client that re-serialises its body each
+time has a new one each time: past these, its repeats are fingerprinted)."""
+
+
+class Remembered:
+    """One finished key: its completed row, until when it may answer, and what it costs the budget."""
+
+    __slots__ = ("_reply", "row", "sent", "size", "until")
+
+    def __init__(self, row: Mapping[str, Any], until: datetime, size: int) -> None:
+        self.row = row
+        self.until = until
+        self.size = size
+        self.sent: list[Sent] = []
+        self._reply: Reply | None = None
+
+    def same(self, sent: Sent) -> bool:
+        """Whether a request sent as ``sent`` is known to be the stored one."""
+        return sent in self.sent
+
+    def replay(self) -> Reply:
+        """The stored answer, marked as a replay (built once)."""
+        if self._reply is None:
+            self._reply = replay(self.row["result"])
+        return self._reply
 
 
 class Finished:
@@ -34,26 +66,31 @@ class Finished:
 
     def __init__(self, budget: int) -> None:
         self._budget = budget
-        self._rows: OrderedDict[str, tuple[Mapping[str, Any], datetime, int]] = OrderedDict()
+        self._rows: OrderedDict[str, Remembered] = OrderedDict()
         self._used = 0
 
-    def row(self, digests: Sequence[str], now: datetime) -> Mapping[str, Any] | None:
-        """The completed row of one of ``digests``, if remembered and not yet expired."""
+    def recall(self, digests: Sequence[str], now: datetime) -> Remembered | None:
+        """The remembered key of one of ``digests``, if not yet expired."""
         for digest in digests:
             found = self._rows.get(digest)
             if found is None:
                 continue
-            row, until, _size = found
-            if until <= now:
+            if found.until <= now:
                 self._forget(digest)
                 continue
             self._rows.move_to_end(digest)
-            return row
+            return found
         return None
 
-    def keep(self, row: Mapping[str, Any], until: datetime | None = None) -> None:
+    def row(self, digests: Sequence[str], now: datetime) -> Mapping[str, Any] | None:
+        """The completed row of one of ``digests``, if remembered and not yet expired."""
+        found = self.recall(digests, now)
+        return found.row if found is not None else None
+
+    def keep(self, row: Mapping[str, Any], until: datetime | None = None, *, sent: Sent | None = None) -> None:
         """Remember ``row`` (read from the inbox, or as written) until ``until`` (default its
-        ``expires_at``), if it is completed with an answer and fits the budget."""
+        ``expires_at``), if it is completed with an answer and fits the budget; ``sent``: the request
+        it is known to answer, as sent (:func:`~.keys.sent_form`)."""
         result = row.get("result")
         if row.get("state") != "completed" or not isinstance(result, dict) or self._budget <= 0:
             return
@@ -63,14 +100,30 @@ class Finished:
         digest = row["key_digest"]
         if digest in self._rows:
             self._forget(digest)
-        self._rows[digest] = (row, until or row["expires_at"], size)
+        kept = self._rows[digest] = Remembered(row, until or row["expires_at"], size)
         self._used += size
+        if sent is not None:
+            self.learn(kept, sent)
+        self._trim()
+
+    def learn(self, kept: Remembered, sent: Sent) -> None:
+        """``sent`` was found (by its fingerprint) to be the request ``kept`` answers."""
+        if len(kept.sent) >= SENT_KEPT or sent in kept.sent:
+            return
+        size = sent_size(sent)
+        if kept.size + size > self._budget // 16:
+            return
+        kept.sent.append(sent)
+        kept.size += size
+        self._used += size
+        self._trim()
+
+    def _trim(self) -> None:
         while self._used > self._budget:
             self._forget(next(iter(self._rows)))
 
     def _forget(self, digest: str) -> None:
-        _row, _until, size = self._rows.pop(digest)
-        self._used -= size
+        self._used -= self._rows.pop(digest).size
 
     def __len__(self) -> int:
         return len(self._rows)
