@@ -92,6 +92,8 @@ SIDES = {side.name: side for side in (
     Side("kit-one", "consumer-kit, 1 txn, prefix", "bench.http_servers:kit", {"BENCH_KIT_TX": "one"}, True),
     Side("kit-db", "consumer-kit, 1 txn, prefix, ctx.db", "bench.http_servers:kit",
          {"BENCH_KIT_TX": "one", "BENCH_KIT_VIA": "db"}, True),
+    Side("kit-request", "consumer-kit, staged, context_of", "bench.http_servers:kit",
+         {"BENCH_KIT_CONTEXT": "request"}, True),
     Side("kit-dependency", "consumer-kit, staged, dependency", "bench.http_servers:kit",
          {"BENCH_KIT_STYLE": "dependency"}, True),
     Side("kit-two", "consumer-kit, 2 txns, dependency", "bench.http_servers:kit",

@@ -45,6 +45,7 @@ from consumer_kit.http.idempotency import (
     IdempotencyKey,
     IdempotencyMiddleware,
     IdempotentContext,
+    context_of,
     idempotency_context,
 )
 
@@ -212,6 +213,15 @@ def kit() -> FastAPI:
         async def create_order_db(order: Order, ctx: Annotated[IdempotentContext, context]) -> dict[str, Any]:
             order_id = secrets.randbits(62)
             await ctx.db.execute(orders.insert().values(id=order_id, sku=order.sku, quantity=order.quantity))
+            return {"id": order_id, "sku": order.sku, "quantity": order.quantity}
+
+    elif tx == "staged" and os.environ.get("BENCH_KIT_CONTEXT") == "request":
+
+        @api.post("/orders", status_code=201)
+        async def create_order_staged_request(order: Order, request: Request) -> dict[str, Any]:
+            ctx = context_of(request)
+            order_id = secrets.randbits(62)
+            ctx.stage(INSERT, order_id, order.sku, order.quantity)
             return {"id": order_id, "sku": order.sku, "quantity": order.quantity}
 
     elif tx == "staged":

@@ -113,6 +113,17 @@ ORDER: dict[str, Any] = {"order": "o-1", "lines": [{"sku": "a", "qty": 2}, {"sku
          "gift": None, "total": 12.5}
 
 
+def test_a_fingerprint_is_what_earlier_versions_stored() -> None:
+    # Stored records carry these: a retry after an upgrade must still be the same request.
+    assert fingerprint("POST", "/labels", b"b=2&a=1&a=", json.dumps(ORDER).encode(), JSON,
+                       [("X-Account", "acct-1"), ("b", "2")]) == \
+        "d324e872af812f0716c1819d873616507474a9d0d6551ba69414b94891ba538b"
+    assert fingerprint("PUT", "/l\u00e9", b"", b"not json", "text/plain") == \
+        "3dc74e6fcc0e8e1915d5195f0fd0202c3964162824a02bac9feef87af296bcce"
+    assert fingerprint("post", "/labels", b"", b"", None) == \
+        "a520b25cf4e82ec44b20b7f71c9db33f1a23c1a726e7296374bf09ef2d8ad45c"
+
+
 def test_the_same_json_serialised_another_way_is_the_same_request() -> None:
     compact = json.dumps(ORDER, separators=(",", ":")).encode()
     reordered = json.dumps(dict(reversed(list(ORDER.items()))), indent=4).encode()

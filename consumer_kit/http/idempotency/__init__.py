@@ -23,10 +23,10 @@ dependency style.
     async def create_label(ctx: IdempotentContext = Depends(labels)) -> dict[str, str]: ...
 """
 
-from consumer_kit.http.idempotency.asgi import IdempotencyKey, IdempotencyMiddleware, idempotency_context
+from consumer_kit.http.idempotency.asgi import IdempotencyKey, IdempotencyMiddleware, context_of, idempotency_context
 from consumer_kit.http.idempotency.keys import fingerprint, header_key
 from consumer_kit.http.idempotency.operation import IdempotentContext, KeyRules, Operation
 from consumer_kit.http.idempotency.replies import Reply, RequestFacts
 
 __all__ = ["IdempotencyKey", "IdempotencyMiddleware", "IdempotentContext", "KeyRules", "Operation", "Reply",
-           "RequestFacts", "fingerprint", "header_key", "idempotency_context"]
+           "RequestFacts", "context_of", "fingerprint", "header_key", "idempotency_context"]

@@ -82,7 +82,7 @@ class Operation:
         headers = {n.decode("latin-1").lower(): v.decode("latin-1") for n, v in request.headers
                    if n.lower() not in (b"authorization", b"cookie", b"proxy-authorization", b"idempotency-key")}
         delivery = Delivery(id=None, body=request.body, headers=headers, attempt=claim.attempts,
-                            attributes={"method": request.method, "path": request.path})
+                            attributes={"method": request.method, "path": request.path}, received_at=self._began_at)
         self.context = IdempotentContext(key=key, delivery=delivery, executor=ex, attempt=claim.attempts,
                                          key_digest=self.digest, outbox=outbox, staged=self._writes,
                                          http=app.http)

@@ -85,22 +85,15 @@ def fingerprint(method: str, path: str, query: bytes, body: bytes, content_type:
     ``headers``: the same request sent again has the same fingerprint. A JSON body is taken in a
     canonical form (keys sorted, no spaces), so that a client re-serialising the same object is not a
     different request; any other body byte for byte."""
-    digest = hashlib.sha256()
-
-    def part(value: bytes) -> None:
-        digest.update(len(value).to_bytes(8, "big"))
-        digest.update(value)
-
-    part(method.upper().encode())
-    part(path.encode("utf-8", "surrogateescape"))
-    for name, value in sorted(parse_qsl(query.decode("latin-1"), keep_blank_values=True)):
-        part(name.encode("utf-8", "surrogateescape"))
-        part(value.encode("utf-8", "surrogateescape"))
-    part(_canonical(body, content_type))
+    parts = [method.upper().encode(), path.encode("utf-8", "surrogateescape")]
+    if query:
+        for name, value in sorted(parse_qsl(query.decode("latin-1"), keep_blank_values=True)):
+            parts += (name.encode("utf-8", "surrogateescape"), value.encode("utf-8", "surrogateescape"))
+    parts.append(_canonical(body, content_type))
     for name, value in sorted((n.lower(), v) for n, v in headers):
-        part(name.encode("latin-1"))
-        part(value.encode("latin-1", "replace"))
-    return digest.hexdigest()
+        parts += (name.encode("latin-1"), value.encode("latin-1", "replace"))
+    # Each part length-prefixed (8 bytes, big-endian), hashed as one text.
+    return hashlib.sha256(b"".join(len(part).to_bytes(8, "big") + part for part in parts)).hexdigest()
 
 
 Sent = tuple[str, str, bytes, bytes | None, bytes, tuple[tuple[bytes, bytes], ...]]
