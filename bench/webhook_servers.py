@@ -4,7 +4,8 @@
 - ``app`` (for ``consumer-kit run bench.webhook_servers:app --port ...``, as a user serves a receiver;
   ``receiver`` is the same as a uvicorn factory): consumer-kit's ``WebhookSource`` with
   ``StandardWebhooksVerifier``: verify, claim the inbox on PostgreSQL, run a handler that inserts one
-  row, complete.
+  row, complete; with ``BENCH_STAGED=1`` the handler stages its row (``staged=True``), which goes with
+  the key in one statement.
 - ``bare``: a plain Starlette endpoint that verifies with the ``standardwebhooks`` library and inserts
   one row with asyncpg: what a receiver without dedup looks like.
 """
@@ -65,11 +66,14 @@ def receiver_app() -> ConsumerApp:
     )
 
     driver = os.environ.get("BENCH_DRIVER", "sqlalchemy")
+    staged = os.environ.get("BENCH_STAGED") == "1"
 
-    @app.handler(source, single_transaction=os.environ.get("BENCH_SINGLE_TRANSACTION") == "1",
+    @app.handler(source, single_transaction=os.environ.get("BENCH_SINGLE_TRANSACTION") == "1", staged=staged,
                  driver="asyncpg" if driver == "asyncpg" else "sqlalchemy")
     async def on_hook(ctx: Context) -> None:
-        if driver == "asyncpg":
+        if staged:  # the row staged: written with the key in one statement once the handler returns
+            ctx.stage("INSERT INTO bench_hook_rows (event) VALUES ($1)", ctx.delivery.json()["type"])
+        elif driver == "asyncpg":
             await ctx.connection.execute("INSERT INTO bench_hook_rows (event) VALUES ($1)",
                                          ctx.delivery.json()["type"])
         else:

@@ -121,6 +121,7 @@ class ConsumerApp:
         task: Callable[[Delivery], str] | str | None = None,
         driver: Literal["sqlalchemy", "asyncpg"] = "sqlalchemy",
         batch: Batch | None = None,
+        staged: bool = False,
     ) -> Callable[[H], H]:
         """Register the handler of ``source``.
 
@@ -131,17 +132,24 @@ class ConsumerApp:
         inside the delivery's transaction, instead of ``ctx.db``: the same guarantee at asyncpg's speed.
         ``batch=Batch(max_size=64, max_wait_ms=5)`` (with ``single_transaction=True``) gathers deliveries
         that arrive together and runs them in one transaction (see :mod:`consumer_kit.pipeline.batch`).
+        ``staged=True`` (single-transaction; a handler that only stages its writes, ``ctx.stage``): the
+        handler runs with nothing held, then its one staged statement and the key's row go in a single
+        statement on PostgreSQL with ``driver="asyncpg"`` (see :mod:`consumer_kit.pipeline.single`).
         ``labels`` and ``task`` describe the coordinator session: a handler with either gets one
         (``ctx.session``), created under ``ctx.key.derive("session")``; one with neither runs without.
         """
         check_source(source)
         if any(spec.source is source for spec in self.specs):
             raise ConfigurationError(f"source {source.name!r} already has a handler; one settles each delivery")
+        if staged and batch is not None:
+            raise ConfigurationError("staged=True and batch= are two ways to write a handler's rows together; "
+                                     "a batch stages them already (ctx.stage): pick one")
         if batch is not None and not single_transaction:
             raise ConfigurationError("batch= needs single_transaction=True: a batch's deliveries commit in one "
                                      "transaction, which only handlers whose every effect is in the database share")
         if driver not in ("sqlalchemy", "asyncpg"):
             raise ConfigurationError(f"driver must be 'sqlalchemy' or 'asyncpg', not {driver!r}")
+        single_transaction = single_transaction or staged
         if single_transaction and (labels or task):
             # The session would be created inside the claiming transaction, which on SQLite holds the
             # write lock the embedded coordinator needs: keep coordinator work on the two-transaction path.
@@ -159,7 +167,7 @@ class ConsumerApp:
             self.specs.append(HandlerSpec(
                 func=func, source=source, consumer=name or func.__name__,
                 single_transaction=single_transaction, max_deliveries=max_deliveries,
-                labels=tuple(labels), task=task, driver=driver, batch=batch,
+                labels=tuple(labels), task=task, driver=driver, batch=batch, staged=staged,
             ))
             return func
 

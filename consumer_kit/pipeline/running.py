@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import httpx
 
@@ -15,6 +15,7 @@ from consumer_kit.context import Context
 from consumer_kit.keys import KeyDigester
 from consumer_kit.pipeline.work import Work
 from consumer_kit.store import Clock, Database, DeadLetters, Executor, Inbox, OutboxWriter, StagedWrites
+from consumer_kit.store.unopened import Unopened
 from consumer_kit.tracing import current_headers
 
 if TYPE_CHECKING:
@@ -96,3 +97,24 @@ class HandlerRunner:
             session: AsyncSession | None = ex.session_made()
             if session is not None and (session.new or session.dirty or session.deleted):  # ORM objects to write
                 await session.flush()
+
+    async def stage(self, work: Work) -> StagedWrites:
+        """Run a ``staged=True`` handler with nothing held (no claim, no connection): what it staged,
+        its outbox rows among them. ``ctx.connection`` and ``ctx.db`` raise there (the delivery is
+        parked ``handler_misconfigured``)."""
+        spec = work.spec
+        outbox = OutboxWriter(self.digester, spec.consumer, work.key, clock=self.clock,
+                              trace_headers=None if work.trace is None else current_headers)
+        writes = StagedWrites()
+        ctx = Context(key=work.key, delivery=work.delivery, executor=cast(Executor, Unopened(spec.uses_db, _MISTAKE)),
+                      attempt=work.attempts, key_digest=work.digest, outbox=outbox, session=None, http=self.http,
+                      staged=writes)
+        with NO_SPAN if work.trace is None else work.trace.child(
+                "handler", attributes={"consumer_kit.attempt": ctx.attempt}):
+            await spec.func(ctx)
+        writes.outbox(outbox.take())
+        return writes
+
+
+_MISTAKE = ("this handler is registered staged=True: it stages its writes (ctx.stage, ctx.outbox), which are "
+            "written with its key once it returns; it has no ctx.connection or ctx.db")

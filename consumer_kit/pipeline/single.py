@@ -6,6 +6,14 @@
     BEGIN; insert the row completed (or finish one a failed attempt left); handler; outbox rows; COMMIT
     ACK
 
+    staged=True (a handler that only stages its writes): the handler first, with nothing held; then
+    one statement staged, PostgreSQL on asyncpg, one HMAC key in use:
+        WITH <the key's tombstone>, <the key's row, completed> <the staged statement>   (autocommit)
+          written -> ACK;  key taken -> its row decides, as a lookup's would;  swept -> the late policy
+          a row a failed attempt left -> as below
+    otherwise: BEGIN; insert the row completed; the staged writes; COMMIT (a handler that raised first
+    runs again there, with the retries and parking every delivery has)
+
 Only for handlers whose every effect is in the database: a handler that calls out would repeat its
 call after a rollback. No lease is taken: a concurrent delivery of the same key waits on the row and
 then finds it completed.
@@ -25,12 +33,14 @@ from __future__ import annotations
 import logging
 
 from consumer_kit.delivery import Outcome, Result, Settlement
+from consumer_kit.keys import short
 from consumer_kit.pipeline.duplicates import DuplicateShare
 from consumer_kit.pipeline.fate import Failed, Fate, NotAcquired
 from consumer_kit.pipeline.running import HandlerRunner, Stores, commit_span, span, usable
 from consumer_kit.pipeline.work import PROCESSED, TAKEN, Work
 from consumer_kit.redaction import describe
-from consumer_kit.store import Claim, ClaimStatus, Executor, claimable, verdict
+from consumer_kit.store import Claim, ClaimStatus, Executor, StagedWrites, claimable, verdict
+from consumer_kit.store.at_once import AtOnce, can_guard, write_at_once
 
 READ_FIRST_ABOVE = 0.25
 """The share of duplicates above which a delivery is looked up before its transaction."""
@@ -54,6 +64,13 @@ class SinglePath:
             if settled is not None:
                 return settled
             read_first = False
+        prepared: list[StagedWrites] = []  # a staged handler's writes, when it ran already
+        if spec.staged and not read_first and stores.database.asyncpg and not spec.uses_db \
+                and len(work.digests) == 1:
+            result = await self._at_once(work, prepared)
+            if result is not None:
+                self._duplicates.count(spec.consumer, taken=result.outcome in TAKEN)
+                return result
         # One connection: one that serves ctx.db when the handler may use it (SQLAlchemy's, on
         # asyncpg), else the store pool's.
         async with stores.database.connect(session=spec.uses_db) as ex:
@@ -63,13 +80,50 @@ class SinglePath:
                 if existing is not None and not claimable(existing, work.fingerprint, inbox.clock()):
                     self._duplicates.count(spec.consumer, taken=True)
                     return await self.fate.not_acquired(work, verdict(existing, work.fingerprint), ex)
-            result = await self._handle(ex, work)
+            result = await self._handle(ex, work, prepared)
         self._duplicates.count(spec.consumer, taken=result.outcome in TAKEN)
         return result
 
-    async def _handle(self, ex: Executor, work: Work) -> Result:
+    async def _at_once(self, work: Work, prepared: list[StagedWrites]) -> Result | None:
+        """A staged handler run with nothing held, then its one staged statement written with the key
+        in a single statement: the settlement, or ``None`` for the transaction path (the handler raised,
+        staged another shape of writes, which are left in ``prepared``, or an earlier attempt's row is
+        there to finish)."""
+        stores, spec, inbox = self.stores, work.spec, self.stores.inbox
+        try:
+            writes = await self.runner.stage(work)
+        except Exception:  # the transaction path runs it again, with the retries and parking it has
+            return None
+        alone = writes.alone()
+        if alone is None or not can_guard(alone[0]):
+            prepared.append(writes)
+            return None
+        statement, args = alone
+        async with stores.database.connect() as ex:
+            try:
+                with commit_span(work) as committing:
+                    committing()
+                    done = await write_at_once(ex, inbox, spec.consumer, work.digests[0], work.fingerprint,
+                                               namespace=work.key.namespace, version=work.key.version,
+                                               outcome=PROCESSED, result=None, statement=statement, args=args)
+            except Exception:  # nothing was written: the transaction path meets it again, and retries or parks
+                prepared.append(writes)
+                return None
+            if done is AtOnce.WRITTEN:
+                work.claim = Claim(ClaimStatus.ACQUIRED, work.digests[0], 1)
+                work.log(logging.DEBUG, "delivery processed")
+                return Result(Outcome.PROCESSED, Settlement.ACK, key_digest=short(work.digests[0]))
+            if done is AtOnce.SWEPT:
+                return await self.fate.not_acquired(work, Claim(ClaimStatus.SWEPT, work.digests[0], 0), ex)
+            existing = await inbox.lookup(ex, spec.consumer, work.digests)
+            if existing is None or claimable(existing, work.fingerprint, inbox.clock()):
+                prepared.append(writes)  # swept since, or left by a failed attempt: the transaction decides
+                return None
+            return await self.fate.not_acquired(work, verdict(existing, work.fingerprint), ex)
+
+    async def _handle(self, ex: Executor, work: Work, prepared: list[StagedWrites]) -> Result:
         stores, spec = self.stores, work.spec
-        outcome = await self.fate.attempts(work, ex, lambda: self._attempt(ex, work))
+        outcome = await self.fate.attempts(work, ex, lambda: self._attempt(ex, work, prepared))
         if not isinstance(outcome, Failed):
             work.log(logging.DEBUG, "delivery processed")
             return Result(Outcome.PROCESSED, Settlement.ACK, key_digest=work.digest)
@@ -84,7 +138,7 @@ class SinglePath:
         work.claim = Claim(ClaimStatus.ACQUIRED, work.digests[0], attempts)
         return await self.fate.failed(work, error, ex)
 
-    async def _attempt(self, ex: Executor, work: Work) -> None:
+    async def _attempt(self, ex: Executor, work: Work, prepared: list[StagedWrites]) -> None:
         stores, spec = self.stores, work.spec
         with commit_span(work) as committing:
             async with ex.begin(deferred=True):
@@ -95,5 +149,9 @@ class SinglePath:
                 if not claim.acquired:
                     raise NotAcquired(claim)
                 work.claim = claim
-                await self.runner.run(ex, work)
+                if spec.staged:  # what it staged before, or staged now (again, on a retry)
+                    writes = prepared.pop() if prepared else await self.runner.stage(work)
+                    await writes.write(ex)
+                else:
+                    await self.runner.run(ex, work)
                 committing()

@@ -53,6 +53,7 @@ class HandlerSpec:
     task: Callable[[Delivery], str] | str | None = None
     driver: str = "sqlalchemy"  # or "asyncpg": the handler uses ctx.connection (PostgreSQL on asyncpg)
     batch: Batch | None = None  # gather deliveries into one transaction (single_transaction only)
+    staged: bool = False  # the handler only stages its writes: run it with nothing held (single_transaction)
 
     @property
     def uses_db(self) -> bool:

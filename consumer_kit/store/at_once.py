@@ -70,8 +70,9 @@ def _joined(statement: str, count: int) -> str:
 async def write_at_once(ex: Executor, inbox: Inbox, consumer: str, digest: str, fingerprint: str, *,
                         namespace: str, version: int, outcome: str, result: Any, statement: str,
                         args: tuple[Any, ...]) -> AtOnce:
-    """Write ``statement`` with ``args``, and the key's row completed with ``result`` (JSON), in one
-    statement in autocommit on ``ex`` (a connection of the store's asyncpg pool, outside a transaction)."""
+    """Write ``statement`` with ``args``, and the key's row completed with ``result`` (JSON; ``None``
+    leaves it NULL, as a delivery's completion does), in one statement in autocommit on ``ex`` (a
+    connection of the store's asyncpg pool, outside a transaction)."""
     import asyncpg
 
     driver = ex.driver
@@ -79,7 +80,8 @@ async def write_at_once(ex: Executor, inbox: Inbox, consumer: str, digest: str, 
     now = inbox.clock()
     try:
         await driver.execute(_joined(statement, len(args)), *args, consumer, digest, namespace, version, fingerprint,
-                             outcome, json.dumps(result), now, now + inbox.retention, inbox.tombstones)
+                             outcome, None if result is None else json.dumps(result), now, now + inbox.retention,
+                             inbox.tombstones)
     except asyncpg.UniqueViolationError as exc:
         if exc.constraint_name == "pk_inbox":
             return AtOnce.TAKEN

@@ -107,3 +107,44 @@ def test_which_statements_can_be_guarded() -> None:
     assert can_guard("with recursive x AS (SELECT 1) DELETE FROM t")
     for other in ("SELECT 1", "-- a comment\nINSERT INTO t VALUES (1)", "COPY t FROM STDIN", "insertion"):
         assert not can_guard(other), other
+
+
+async def test_a_route_whose_own_row_is_refused_first_gets_the_answer_written(pg_database: str) -> None:
+    """Concurrent requests with one key to a staged route whose row has a unique index of its own: the
+    statements after the first may be refused on that index before the key's; each then reads the key's
+    row and is answered with its response (a replay), not a 500."""
+    import asyncio
+    import uuid
+
+    import httpx
+    from fastapi import Depends, FastAPI
+
+    from consumer_kit import ConsumerApp
+    from consumer_kit.http.asgi import lifespan
+    from consumer_kit.http.idempotency import IdempotencyKey, IdempotencyMiddleware, IdempotentContext
+    from consumer_kit.testing.server import served_asgi
+    from tests.conftest import make_settings
+
+    app = ConsumerApp(make_settings(pg_database))
+    refunds = IdempotencyKey(app, namespace="refunds", version=1, staged=True, driver="asyncpg")
+    api = FastAPI(lifespan=lifespan(app))
+    api.add_middleware(IdempotencyMiddleware)
+
+    @api.post("/refunds", status_code=201)
+    async def refund(body: dict[str, str], ctx: IdempotentContext = Depends(refunds)) -> dict[str, str]:  # noqa: B008
+        await asyncio.sleep(0.01)  # every request inside the route together
+        ctx.stage(INSERT, body["ticket"], 1)
+        return {"ticket": body["ticket"]}
+
+    async with served_asgi(api) as base, httpx.AsyncClient(base_url=base, timeout=30) as http:
+        async with app.database.connect() as ex:
+            assert ex.driver is not None
+            await ex.driver.execute(TABLE)
+        ticket = f"r-{uuid.uuid4()}"
+        answers = await asyncio.gather(*(http.post("/refunds", json={"ticket": ticket},
+                                                   headers={"Idempotency-Key": f'"{ticket}"'}) for _ in range(20)))
+        assert [a.status_code for a in answers] == [201] * 20, [a.text for a in answers if a.status_code != 201]
+        assert sum(a.headers.get("idempotency-replayed") == "true" for a in answers) == 19
+        async with app.database.connect() as ex:
+            assert ex.driver is not None
+            assert await ex.driver.fetchval("SELECT count(*) FROM at_once_effects WHERE ticket = $1", ticket) == 1

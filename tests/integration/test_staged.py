@@ -170,3 +170,120 @@ async def test_staged_writes_group_rows_by_statement_in_first_staged_order() -> 
         ("execute", "DELETE FROM d", None),
     ]
     assert not staged  # written once: nothing is left to write again
+
+
+# --- staged=True: the handler runs with nothing held, then its write and the key go together ----------
+
+
+def counted_at_once(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """What each single statement the pipeline sent came to (``AtOnce`` values)."""
+    from consumer_kit.pipeline import single
+
+    done: list[str] = []
+    original = single.write_at_once
+
+    async def counted(*args: Any, **kw: Any) -> Any:
+        result = await original(*args, **kw)
+        done.append(result.value)
+        return result
+
+    monkeypatch.setattr(single, "write_at_once", counted)
+    return done
+
+
+async def test_a_staged_handler_writes_once_with_its_key(database_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One row a delivery, and none for its redeliveries, on every store; on PostgreSQL on asyncpg the
+    row and the key go in one statement each time (a repeat finds the key and writes nothing)."""
+    at_once = counted_at_once(monkeypatch)
+    asyncpg = database_url.startswith("postgresql+asyncpg")
+    app = ConsumerApp(make_settings(database_url))
+    source = InMemorySource(namespace="staged-at-once", version=1)
+
+    @app.handler(source, name="staged-at-once", staged=True, driver="asyncpg" if asyncpg else "sqlalchemy")
+    async def handle(ctx: Context) -> None:
+        stage(ctx, "asyncpg" if asyncpg else "text", ctx.delivery.text())
+
+    async with app.running():
+        await prepare(app)
+        first = [await source.deliver(id=f"m-{t}", body=t) for t in ("a", "b")]
+        again = [await source.deliver(id=f"m-{t}", body=t) for t in ("a", "b")]
+        assert [r.outcome for r in first] == [Outcome.PROCESSED] * 2
+        assert [r.outcome for r in again] == [Outcome.DUPLICATE] * 2
+        assert await effects(app) == {"a": 1, "b": 1}
+        async with app.engine.connect() as conn:
+            rows = (await conn.exec_driver_sql("SELECT state, outcome, result FROM inbox")).all()
+        assert sorted(tuple(r) for r in rows) == [("completed", "processed", None)] * 2
+    assert at_once.count("written") == (2 if asyncpg else 0)  # elsewhere, the transaction: the same rows
+
+
+@pytest.mark.postgres
+async def test_concurrent_deliveries_of_one_staged_key_write_once(pg_database: str,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Twenty deliveries of one id at once all run the handler; one statement writes, the rest find the key
+    (or, when the effect's own unique index refuses their row first, the transaction path finds it)."""
+    at_once = counted_at_once(monkeypatch)
+    app = ConsumerApp(make_settings(pg_database))
+    source = InMemorySource(namespace="staged-race", version=1)
+    ran = 0
+
+    @app.handler(source, name="staged-race", staged=True, driver="asyncpg")
+    async def handle(ctx: Context) -> None:
+        nonlocal ran
+        ran += 1
+        await asyncio.sleep(0.01)  # all of them inside the handler together
+        stage(ctx, "asyncpg", "once")
+
+    async with app.running():
+        await prepare(app)
+        results = await asyncio.gather(*(source.deliver(id="m-race", body="once") for _ in range(20)))
+        assert sorted(r.outcome.value for r in results) == ["duplicate"] * 19 + ["processed"]
+        assert await effects(app) == {"once": 1}
+    assert ran == 20 and at_once.count("written") == 1
+
+
+@pytest.mark.postgres
+async def test_a_staged_handler_falls_back_to_one_transaction(pg_database: str,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two statements staged, a handler that raised once, a staged write that fails, and a handler that
+    reaches for ctx.connection: each settles as on the single-transaction path (the write and the key in
+    one transaction; retried; parked with its reason), with nothing written twice."""
+    at_once = counted_at_once(monkeypatch)
+    app = ConsumerApp(make_settings(pg_database, retry_attempts=2, max_deliveries=1))
+    source = InMemorySource(namespace="staged-back", version=1)
+    failed: set[str] = set()
+
+    @app.handler(source, name="staged-back", staged=True, driver="asyncpg")
+    async def handle(ctx: Context) -> None:
+        ticket = ctx.delivery.text()
+        if ticket == "flaky" and ticket not in failed:
+            failed.add(ticket)
+            raise RuntimeError("a moment's failure")
+        if ticket == "reaches":
+            await ctx.connection.execute("SELECT 1")
+        stage(ctx, "asyncpg", "taken" if ticket.startswith("clash") else ticket)
+        if ticket == "two":
+            stage(ctx, "asyncpg", "two-more")
+
+    async with app.running():
+        await prepare(app)
+        results = {t: await source.deliver(id=f"m-{t}", body=t) for t in ("two", "flaky", "clash-1", "clash-2",
+                                                                           "reaches")}
+        assert {t: r.outcome for t, r in results.items()} == {
+            "two": Outcome.PROCESSED, "flaky": Outcome.PROCESSED, "clash-1": Outcome.PROCESSED,
+            "clash-2": Outcome.DEAD_LETTERED, "reaches": Outcome.DEAD_LETTERED}
+        assert results["reaches"].reason == "handler_misconfigured"
+        assert await effects(app) == {"two": 1, "two-more": 1, "flaky": 1, "taken": 1}
+        async with app.engine.connect() as conn:
+            parked = dict((await conn.exec_driver_sql(
+                "SELECT state, count(*) FROM inbox GROUP BY state")).all())
+        assert parked == {"completed": 3, "dead": 2}
+    # clash-1's; flaky ran again on the transaction path, and clash-2's statement failed, writing nothing
+    assert at_once == ["written"]
+
+
+async def test_a_staged_handler_cannot_be_batched() -> None:
+    from consumer_kit.errors import ConfigurationError
+
+    app = ConsumerApp(make_settings("sqlite+aiosqlite:///:memory:"))
+    with pytest.raises(ConfigurationError, match="staged=True and batch="):
+        app.handler(InMemorySource(namespace="x", version=1), staged=True, batch=Batch())

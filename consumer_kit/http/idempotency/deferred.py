@@ -24,16 +24,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, NoReturn, cast
+from typing import TYPE_CHECKING, Any, cast
 
-from consumer_kit.errors import TerminalError
 from consumer_kit.http.idempotency.held import Operation
 from consumer_kit.http.idempotency.keys import Sent
 from consumer_kit.http.idempotency.replies import Reply
 from consumer_kit.keys import short
 from consumer_kit.store import Claim, ClaimStatus, Executor, claimable, verdict
 from consumer_kit.store.at_once import AtOnce, can_guard, write_at_once
-from consumer_kit.store.executor import SessionUnavailable
+from consumer_kit.store.unopened import Unopened
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span
@@ -49,47 +48,13 @@ _MISTAKE = ("this endpoint is IdempotencyKey(staged=True): its route stages its 
             "ctx.outbox), which are written with its key once it returns; it has no ctx.connection or ctx.db")
 
 
-class _Refused:
-    """``ctx.connection`` (and ``ctx.db`` on the SQLAlchemy driver) of a staged route: any use of it is
-    the route's mistake."""
-
-    __slots__ = ()
-
-    def __getattr__(self, name: str) -> NoReturn:
-        raise TerminalError(_MISTAKE, reason="handler_misconfigured")
-
-
-class _Unopened:
-    """What a staged route's context has for a connection: none (``ctx.stage`` only notes which
-    driver a statement is for)."""
-
-    __slots__ = ("_uses_db",)
-    discarded = False
-
-    def __init__(self, uses_db: bool) -> None:
-        self._uses_db = uses_db
-
-    @property
-    def driver(self) -> Any:
-        return None if self._uses_db else _Refused()
-
-    @property
-    def session(self) -> Any:
-        if not self._uses_db:
-            raise SessionUnavailable("a staged route on driver='asyncpg' has no SQLAlchemy session")
-        return _Refused()
-
-    def session_made(self) -> None:
-        return None
-
-
 class StagedOperation(Operation):
     """One request to a ``staged=True`` endpoint, from its route's start to its stored response."""
 
     def __init__(self, keys: KeyRules, key: OperationKey, fp: str, request: RequestFacts, digests: Sequence[str],
                  span: Span | None, *, sent: Sent | None = None) -> None:
         super().__init__(keys, key, fp, request, Claim(ClaimStatus.ACQUIRED, digests[0], 1),
-                         contextlib.AsyncExitStack(), cast(Executor, _Unopened(keys.uses_db)), span, sent=sent)
+                         contextlib.AsyncExitStack(), cast(Executor, Unopened(keys.uses_db, _MISTAKE)), span, sent=sent)
         self.single = True
         self._digests = digests
 
@@ -138,9 +103,20 @@ class StagedOperation(Operation):
         try:
             async with keys.app.database.connect() as ex:
                 for _ in range(2):  # again once a swept key's tombstone is forgotten (after_retention="run")
-                    done = await write_at_once(ex, inbox, keys.consumer, self._digests[0], self.fingerprint,
-                                               namespace=self.key.namespace, version=self.key.version,
-                                               outcome="processed", result=stored, statement=statement, args=args)
+                    try:
+                        done = await write_at_once(ex, inbox, keys.consumer, self._digests[0], self.fingerprint,
+                                                   namespace=self.key.namespace, version=self.key.version,
+                                                   outcome="processed", result=stored, statement=statement,
+                                                   args=args)
+                    except Exception as exc:
+                        # The route's own row may be refused first (its unique index) by another request
+                        # with this key that wrote a moment before: then the key's row answers.
+                        if not _unique_violation(exc):
+                            raise
+                        row = await inbox.lookup(ex, keys.consumer, self._digests)
+                        if row is None or claimable(row, self.fingerprint, keys.app.clock()):
+                            raise
+                        return self._answered(keys.taken(verdict(row, self.fingerprint)))
                     if done is AtOnce.WRITTEN:
                         keys.seen(taken=False)
                         return await self._stored(reply, stored)
@@ -169,3 +145,9 @@ class StagedOperation(Operation):
         self.keys.count(reply.outcome)
         self._end_span(reply.status, reply.outcome)
         return reply
+
+
+def _unique_violation(exc: Exception) -> bool:
+    import asyncpg
+
+    return isinstance(exc, asyncpg.UniqueViolationError)
