@@ -14,7 +14,7 @@ EXPECTED: dict[str, dict[str, int]] = {
     "docs/console.md": dict(found=13, run=6, written=2, checked=1, outputs=4, shown=0, not_run=0),
     "docs/coordinator.md": dict(found=10, run=6, written=0, checked=0, outputs=4, shown=0, not_run=0),
     "docs/getting-started.md": dict(found=10, run=4, written=1, checked=0, outputs=3, shown=0, not_run=2),
-    "docs/handlers.md": dict(found=22, run=12, written=3, checked=0, outputs=7, shown=0, not_run=0),
+    "docs/handlers.md": dict(found=24, run=13, written=3, checked=0, outputs=8, shown=0, not_run=0),
     "docs/idempotent-endpoints.md": dict(found=25, run=12, written=2, checked=0, outputs=11, shown=0, not_run=0),
     "docs/inbox-outbox.md": dict(found=4, run=2, written=0, checked=0, outputs=2, shown=0, not_run=0),
     "docs/index.md": dict(found=0, run=0, written=0, checked=0, outputs=0, shown=0, not_run=0),
@@ -37,4 +37,4 @@ EXPECTED: dict[str, dict[str, int]] = {
     "docs/testing.md": dict(found=9, run=3, written=3, checked=0, outputs=3, shown=0, not_run=0),
 }
 
-TOTAL = dict(found=286, run=137, written=39, checked=4, outputs=96, shown=4, not_run=6)
+TOTAL = dict(found=288, run=138, written=39, checked=4, outputs=97, shown=4, not_run=6)

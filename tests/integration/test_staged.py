@@ -287,3 +287,44 @@ async def test_a_staged_handler_cannot_be_batched() -> None:
     app = ConsumerApp(make_settings("sqlite+aiosqlite:///:memory:"))
     with pytest.raises(ConfigurationError, match="staged=True and batch="):
         app.handler(InMemorySource(namespace="x", version=1), staged=True, batch=Batch())
+
+
+@pytest.mark.postgres
+async def test_a_staged_delivery_cancelled_during_its_one_statement_writes_nothing(pg_database: str) -> None:
+    """A staged handler's row and key in one statement, the delivery cancelled while it runs (a shutdown,
+    a broker's reconnect): neither is written, the connection goes back to the pool, and the redelivery
+    is processed once."""
+    from sqlalchemy import text
+
+    app = ConsumerApp(make_settings(pg_database))
+    source = InMemorySource(namespace="staged-cancel", version=1)
+    slow = {"seconds": 3.0}
+
+    @app.handler(source, name="staged-cancel", staged=True, driver="asyncpg")
+    async def handle(ctx: Context) -> None:
+        ctx.stage("INSERT INTO staged_effects (ticket) SELECT $1 FROM pg_sleep($2)", ctx.delivery.text(),
+                  slow["seconds"])
+
+    async with app.running():
+        await prepare(app)
+        first = asyncio.create_task(source.deliver(id="m-cancel", body="cancel"))
+        pool = await app.database.pool()
+        deadline = asyncio.get_running_loop().time() + 10
+        async with app.engine.connect() as conn:  # the statement is running once pg_sleep shows
+            while not (await conn.execute(text("SELECT count(*) FROM pg_stat_activity WHERE query LIKE"
+                                               " '%pg_sleep%' AND state = 'active' AND pid <> pg_backend_pid()"))
+                       ).scalar():
+                assert asyncio.get_running_loop().time() < deadline
+                await asyncio.sleep(0.02)
+        first.cancel()
+        done, _ = await asyncio.wait([first], timeout=10)
+        assert done and first.cancelled()
+        assert await effects(app) == {}
+        async with app.engine.connect() as conn:
+            assert (await conn.execute(text("SELECT count(*) FROM inbox"))).scalar() == 0
+        slow["seconds"] = 0.0
+        redelivered = await source.deliver(id="m-cancel", body="cancel")
+        again = await source.deliver(id="m-cancel", body="cancel")
+        assert (redelivered.outcome, again.outcome) == (Outcome.PROCESSED, Outcome.DUPLICATE)
+        assert await effects(app) == {"cancel": 1}
+        assert pool.get_size() - pool.get_idle_size() == 0  # every store connection back in the pool
