@@ -141,27 +141,7 @@ class ConsumerApp:
         check_source(source)
         if any(spec.source is source for spec in self.specs):
             raise ConfigurationError(f"source {source.name!r} already has a handler; one settles each delivery")
-        if staged and batch is not None:
-            raise ConfigurationError("staged=True and batch= are two ways to write a handler's rows together; "
-                                     "a batch stages them already (ctx.stage): pick one")
-        if batch is not None and not single_transaction:
-            raise ConfigurationError("batch= needs single_transaction=True: a batch's deliveries commit in one "
-                                     "transaction, which only handlers whose every effect is in the database share")
-        if driver not in ("sqlalchemy", "asyncpg"):
-            raise ConfigurationError(f"driver must be 'sqlalchemy' or 'asyncpg', not {driver!r}")
-        single_transaction = single_transaction or staged
-        if single_transaction and (labels or task):
-            # The session would be created inside the claiming transaction, which on SQLite holds the
-            # write lock the embedded coordinator needs: keep coordinator work on the two-transaction path.
-            raise ConfigurationError("single_transaction handlers cannot have a coordinator session "
-                                     "(labels/task); use the default two-transaction path")
-
-        if labels or isinstance(task, str):
-            try:  # the fixed part of the session request, checked now rather than at every delivery
-                SessionRequest(labels=tuple(labels), task=task if isinstance(task, str) else None)
-            except ValidationError as exc:
-                raise ConfigurationError(f"labels/task do not make a valid session request: "
-                                         f"{exc.errors(include_input=False)}") from None
+        single_transaction = _checked_options(single_transaction, driver, batch, staged, labels, task)
 
         def register(func: H) -> H:
             self.specs.append(HandlerSpec(
@@ -470,3 +450,30 @@ class _Dispatch:
 
     def soon(self, delivery: Delivery, then: Decided) -> bool:
         return self._pipeline.soon(self.spec, delivery, then)
+
+
+def _checked_options(single_transaction: bool, driver: str, batch: Batch | None, staged: bool,
+                     labels: list[str] | tuple[str, ...], task: Callable[[Delivery], str] | str | None) -> bool:
+    """:meth:`ConsumerApp.handler`'s options checked together (:class:`ConfigurationError` for a
+    combination that cannot work); whether the handler is single-transaction (``staged`` is)."""
+    if staged and batch is not None:
+        raise ConfigurationError("staged=True and batch= are two ways to write a handler's rows together; "
+                                 "a batch stages them already (ctx.stage): pick one")
+    if batch is not None and not single_transaction:
+        raise ConfigurationError("batch= needs single_transaction=True: a batch's deliveries commit in one "
+                                 "transaction, which only handlers whose every effect is in the database share")
+    if driver not in ("sqlalchemy", "asyncpg"):
+        raise ConfigurationError(f"driver must be 'sqlalchemy' or 'asyncpg', not {driver!r}")
+    single_transaction = single_transaction or staged
+    if single_transaction and (labels or task):
+        # The session would be created inside the claiming transaction, which on SQLite holds the
+        # write lock the embedded coordinator needs: keep coordinator work on the two-transaction path.
+        raise ConfigurationError("single_transaction handlers cannot have a coordinator session "
+                                 "(labels/task); use the default two-transaction path")
+    if labels or isinstance(task, str):
+        try:  # the fixed part of the session request, checked now rather than at every delivery
+            SessionRequest(labels=tuple(labels), task=task if isinstance(task, str) else None)
+        except ValidationError as exc:
+            raise ConfigurationError(f"labels/task do not make a valid session request: "
+                                     f"{exc.errors(include_input=False)}") from None
+    return single_transaction

@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Container, Iterable, Sequence
 from urllib.parse import parse_qsl
 
 from http_sfv.item import Item
@@ -30,7 +30,8 @@ HEADER = b"idempotency-key"
 # (RFC 8941's unescaped characters), nothing around it. Anything else goes to http-sfv.
 _PLAIN_STRING = re.compile(rb'"([\x20\x21\x23-\x5b\x5d-\x7e]*)"')
 
-__all__ = ["HEADER", "KeyRefused", "Sent", "fingerprint", "header_key", "key_of", "sent_form", "sent_size"]
+__all__ = ["HEADER", "KeyRefused", "Sent", "fingerprint", "header_key", "key_of", "request_headers", "sent_form",
+           "sent_size"]
 
 
 class KeyRefused(Exception):
@@ -46,6 +47,24 @@ def header_key(raw_headers: Iterable[tuple[bytes, bytes]], *, bare: bool = False
     (``idempotency_key_repeated``), one that is not an sf-string or breaks the key rules
     (``idempotency_key_malformed``); the message never quotes the key."""
     return key_of([value for name, value in raw_headers if name.lower() == HEADER], bare=bare)
+
+
+def request_headers(raw_headers: Iterable[tuple[bytes, bytes]], named: Container[bytes]
+                    ) -> tuple[list[bytes], bytes | None, list[tuple[bytes, bytes]]]:
+    """In one pass: the ``Idempotency-Key`` header's values, the first ``Content-Type`` and the headers
+    whose lower-cased names are in ``named`` (lower-cased), as the request sent them."""
+    values: list[bytes] = []
+    content_type: bytes | None = None
+    kept: list[tuple[bytes, bytes]] = []
+    for name, value in raw_headers:
+        lowered = name.lower()
+        if lowered == HEADER:
+            values.append(value)
+        elif lowered == b"content-type" and content_type is None:
+            content_type = value
+        if named and lowered in named:
+            kept.append((lowered, value))
+    return values, content_type, kept
 
 
 def key_of(values: Sequence[bytes], *, bare: bool = False) -> str | None:

@@ -46,7 +46,7 @@ from consumer_kit.errors import InvalidKey
 from consumer_kit.http import DEFAULT_BODY_LIMIT
 from consumer_kit.http.idempotency.deferred import StagedOperation
 from consumer_kit.http.idempotency.held import IdempotentContext, Operation, end_span, end_unwritten
-from consumer_kit.http.idempotency.keys import HEADER, KeyRefused, Sent, fingerprint, key_of, sent_form
+from consumer_kit.http.idempotency.keys import KeyRefused, Sent, fingerprint, key_of, request_headers, sent_form
 from consumer_kit.http.idempotency.remembered import Finished
 from consumer_kit.http.idempotency.replies import KEPT_HEADERS, Reply, RequestFacts, refusal, replay
 from consumer_kit.keys import OperationKey, short
@@ -197,18 +197,7 @@ class KeyRules:
             "consumer_kit.key.namespace": self.namespace, "consumer_kit.key.version": self.version}, headers)
 
     async def _begin(self, request: RequestFacts, span: Span | None) -> Reply | Operation | object:
-        values: list[bytes] = []
-        content_type: bytes | None = None
-        named: list[tuple[bytes, bytes]] = []
-        wanted = self.fingerprint_headers
-        for name, value in request.headers:  # one pass for the key, the content type and the named headers
-            lowered = name.lower()
-            if lowered == HEADER:
-                values.append(value)
-            elif lowered == b"content-type" and content_type is None:
-                content_type = value
-            if wanted and lowered in wanted:
-                named.append((lowered, value))
+        values, content_type, named = request_headers(request.headers, self.fingerprint_headers)
         try:
             stable_id = key_of(values, bare=self.bare_keys)
         except KeyRefused as exc:
