@@ -13,6 +13,7 @@ from consumer_kit import Batch, ConsumerApp, Context, Outcome
 from consumer_kit.store.staged import StagedWrites
 from consumer_kit.testing import InMemorySource
 from tests.conftest import make_settings
+from tests.integration.sleeping import sleeping_statement
 
 effects_table = Table("staged_effects", MetaData(), Column("ticket", String(40), nullable=False))
 INSERT = insert(effects_table)  # built once: the batch groups rows by the statement object
@@ -309,14 +310,7 @@ async def test_a_staged_delivery_cancelled_during_its_one_statement_writes_nothi
         await prepare(app)
         first = asyncio.create_task(source.deliver(id="m-cancel", body="cancel"))
         pool = await app.database.pool()
-        deadline = asyncio.get_running_loop().time() + 60  # a loaded CI host is slow
-        async with app.engine.connect() as conn:  # the statement is running once pg_sleep shows
-            while not (await conn.execute(text("SELECT count(*) FROM pg_stat_activity WHERE query LIKE"
-                                               " '%pg_sleep%' AND state = 'active' AND pid <> pg_backend_pid()"))
-                       ).scalar():
-                assert not first.done(), first  # it ended before its statement ran: say how
-                assert asyncio.get_running_loop().time() < deadline
-                await asyncio.sleep(0.02)
+        await sleeping_statement(app.engine, first)
         first.cancel()
         done, _ = await asyncio.wait([first], timeout=10)
         assert done and first.cancelled()
