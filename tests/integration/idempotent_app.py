@@ -57,6 +57,7 @@ class Order(BaseModel):
     size: int = 0  # pad the answer to about this many bytes
     stage_twice: bool = False  # a staged route: stage a second statement too (no single statement then)
     use_connection: bool = False  # a staged route: use ctx.connection / ctx.db, which it may not
+    show_delivery: bool = False  # answer with what ctx.delivery shows of the request
 
 
 async def tenant(request: Request) -> str | None:
@@ -138,6 +139,11 @@ def build(settings: Settings, *, tracer_provider: Any = None, telemetry: Telemet
         if order.status is not None:
             return JSONResponse({"error": "no_such_order", "ticket": order.ticket}, status_code=order.status)
         made = uuid.uuid4().hex
+        if order.show_delivery:
+            delivery = ctx.delivery
+            return JSONResponse({"headers": dict(delivery.headers), "attributes": dict(delivery.attributes),
+                                 "body": delivery.json(), "attempt": delivery.attempt, "id": delivery.id,
+                                 "received_at": delivery.received_at.isoformat()}, status_code=201)
         body = {"ticket": order.ticket, "id": made, "caller": ctx.caller, "attempt": ctx.attempt,
                 "pad": "x" * order.size}
         return JSONResponse(body, status_code=201, headers={"Location": f"/{route}/{made}",

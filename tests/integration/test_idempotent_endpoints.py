@@ -17,6 +17,7 @@ import sqlite3
 import threading
 import time
 import uuid
+from datetime import UTC, datetime, timedelta
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -306,6 +307,24 @@ async def test_the_first_request_runs_once_and_every_repeat_gets_its_response(cl
     status = (await client.status("/labels", key)).json()
     assert (status["state"], status["status"]) == ("completed", 201)
     assert status["created_at"] < status["expires_at"]
+
+
+@pytest.mark.parametrize("path", ["/labels", "/staged"])
+async def test_the_route_sees_the_request_as_a_delivery_without_credentials_or_key(client: Client,
+                                                                                   path: str) -> None:
+    order = {"ticket": client.ticket(), "show_delivery": True}
+    before = datetime.now(UTC)
+    answer = await client.http.post(path, json=order, headers={
+        "Idempotency-Key": quoted(client.key()), "Authorization": "Bearer token-a", "Cookie": "session=s",
+        "X-Request-Tag": "tag-1"})
+    assert answer.status_code == 201, answer.text
+    shown = answer.json()
+    assert shown["headers"]["x-request-tag"] == "tag-1"
+    assert shown["headers"]["content-type"] == "application/json"
+    assert not {"authorization", "cookie", "idempotency-key"} & set(shown["headers"])
+    assert shown["attributes"] == {"method": "POST", "path": path}
+    assert (shown["body"], shown["attempt"], shown["id"]) == (order, 1, None)
+    assert before - timedelta(seconds=1) <= datetime.fromisoformat(shown["received_at"]) <= datetime.now(UTC)
 
 
 async def test_a_request_fastapi_finds_invalid_keeps_no_record_and_its_correction_runs(client: Client) -> None:

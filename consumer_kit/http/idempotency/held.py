@@ -8,7 +8,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import TYPE_CHECKING, Any
+from datetime import datetime
+from typing import TYPE_CHECKING, Any, cast
 
 from consumer_kit.context import Context
 from consumer_kit.delivery import Delivery
@@ -32,9 +33,36 @@ class IdempotentContext(Context):
     for a scoped endpoint its id is a keyed digest of the caller and the client's key, so that the keys
     derived from it (``ctx.derive("carrier")``) differ between two callers who sent the same key."""
 
-    __slots__ = ("caller",)
+    __slots__ = ("_made", "_request", "_received_at", "caller")
 
-    caller: str | None
+    def __init__(self, request: RequestFacts, received_at: datetime, **context: Any) -> None:
+        self._made: Delivery | None = None
+        super().__init__(delivery=cast(Delivery, None), **context)
+        self._request = request
+        self._received_at = received_at
+        self.caller = request.caller
+
+    @property
+    def delivery(self) -> Delivery:
+        """The request as a :class:`~consumer_kit.Delivery`: its body, its headers (without the
+        credentials and the key) and its method and path as attributes; made when first asked for,
+        since most routes read the request through their framework instead."""
+        if self._made is None:
+            request = self._request
+            headers = {n.decode("latin-1").lower(): v.decode("latin-1") for n, v in request.headers
+                       if n.lower() not in _UNSHOWN}
+            self._made = Delivery(id=None, body=request.body, headers=headers, attempt=self.attempt,
+                                  attributes={"method": request.method, "path": request.path},
+                                  received_at=self._received_at)
+        return self._made
+
+    @delivery.setter
+    def delivery(self, made: Delivery | None) -> None:
+        self._made = made
+
+
+_UNSHOWN = (b"authorization", b"cookie", b"proxy-authorization", b"idempotency-key")
+"""Request headers a route's ``ctx.delivery`` does not show: credentials and the client's key."""
 
 
 _GIVEN_BACK_STATUS = {"timed_out": 503, "lease_lost": 409, "invalid_request": 422}
@@ -79,14 +107,8 @@ class Operation:
         self._began_at = app.clock()
         self._writes = StagedWrites()
         outbox = OutboxWriter(app.pipeline.digester, keys.consumer, key, clock=app.clock)
-        headers = {n.decode("latin-1").lower(): v.decode("latin-1") for n, v in request.headers
-                   if n.lower() not in (b"authorization", b"cookie", b"proxy-authorization", b"idempotency-key")}
-        delivery = Delivery(id=None, body=request.body, headers=headers, attempt=claim.attempts,
-                            attributes={"method": request.method, "path": request.path}, received_at=self._began_at)
-        self.context = IdempotentContext(key=key, delivery=delivery, executor=ex, attempt=claim.attempts,
-                                         key_digest=self.digest, outbox=outbox, staged=self._writes,
-                                         http=app.http)
-        self.context.caller = request.caller
+        self.context = IdempotentContext(request, self._began_at, key=key, executor=ex, attempt=claim.attempts,
+                                         key_digest=self.digest, outbox=outbox, staged=self._writes, http=app.http)
         self.span = span
         self._ended = False
 
