@@ -35,7 +35,7 @@ def _queue_counts(prefix: str) -> tuple[int, int]:
 class RabbitTransport(Transport):
     name = "rabbitmq"
     fault_name = "broker cut"
-    paths = ("default", "single", "batch", "outbox")
+    paths = ("default", "single", "batch", "staged", "outbox")
 
     def __init__(self, token: str) -> None:
         super().__init__(token)

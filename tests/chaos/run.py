@@ -1,7 +1,7 @@
 """The chaos run: a real worker on a broker (RabbitMQ, NATS JetStream or Redis Streams) and PostgreSQL,
 killed and cut off while it works.
 
-For one transport and path (RabbitMQ: ``default``, ``single``, ``batch``, ``outbox``; NATS and Redis:
+For one transport and path (RabbitMQ: ``default``, ``single``, ``batch``, ``staged``, ``outbox``; NATS and Redis:
 ``default``, ``single``): publish ``messages`` distinct messages plus 10% duplicates (the same business
 id sent again: AMQP ``message_id``, ``Nats-Msg-Id``, Redis field ``chaos-id``), run ``consumer-kit run
 tests.chaos.worker:app``, and while it consumes: SIGKILL it ``kills`` times at random points of its
@@ -40,6 +40,10 @@ from tests.chaos.transport import Transport, transport, transport_class
 ROOT = Path(__file__).resolve().parents[2]
 PG_ADMIN = "postgresql://postgres@127.0.0.1:5432/postgres"
 HMAC_KEY = "chaos-hmac-key-0123456789abcdef"
+# An effect row and its key's row written by one statement: the same transaction (xmin) and the same
+# command in it (cmin). The transaction path writes them in two statements (two commands).
+ONE_STATEMENT = ("SELECT count(*) FROM chaos_effects e JOIN inbox i ON i.xmin::text = e.xmin::text"
+                 " AND i.cmin::text = e.cmin::text WHERE i.consumer = 'chaos'")
 
 
 @dataclass(frozen=True)
@@ -61,6 +65,7 @@ class Report:
     recovered: bool = False  # the crashed server replayed its WAL as it started again (crash runs)
     transport: str = "rabbitmq"
     broker_fault: str = "broker cut"  # the transport's fault: "broker cut" (RabbitMQ), "server restart"
+    one_statement: int | None = None  # staged: effects written by the same statement as their key's row
 
     @property
     def clean(self) -> bool:
@@ -69,6 +74,8 @@ class Report:
 
     def line(self) -> str:
         downstream = "" if self.downstream_distinct is None else f" downstream distinct ids {self.downstream_distinct}"
+        if self.one_statement is not None:
+            downstream += f"; {self.one_statement} effects in one statement with their key"
         label = self.path if self.transport == "rabbitmq" else f"{self.transport} {self.path}"
         return (f"{label:8s} {self.messages} messages ({self.published} published with duplicates),"
                 f" {self.kills} SIGKILLs + 1 {self.broker_fault} + 1 database {'crash' if self.crashed else 'cut'}:"
@@ -231,12 +238,13 @@ async def run(path: str, messages: int, kills: int, *, settle_seconds: float = 9
                                  f" ({exit_code}); the end of {log}:\n{tail}")
         rows, distinct = await db.fetchrow("SELECT count(*), count(DISTINCT message_id) FROM chaos_effects")
         parked = await db.fetchval("SELECT count(*) FROM dead_letters")
+        one_statement = await db.fetchval(ONE_STATEMENT) if path == "staged" else None
         await db.close()
         ready, unacked = await broker.counts()
         downstream = len(await broker.downstream_ids() & set(ids)) if path == "outbox" else None
         return Report(path, messages, len(everything), kills, messages - distinct, rows - distinct, ready,
                       unacked, parked, downstream, time.monotonic() - started, crash, done_at_fault,
-                      done_at_cut, recovered, broker.name, broker.fault_name)
+                      done_at_cut, recovered, broker.name, broker.fault_name, one_statement)
     finally:
         if worker is not None and worker.process is not None and worker.process.poll() is None:
             worker.kill()  # the run failed on the way: leave no worker behind
@@ -269,7 +277,7 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--paths", default=None,
                         help="comma-separated; default: every path of the transport (rabbitmq: default,single,"
-                             "batch,outbox; nats and redis: default,single)")
+                             "batch,staged,outbox; nats and redis: default,single)")
     parser.add_argument("--crash", action="store_true", help="crash the database server instead of cutting it")
     args = parser.parse_args()
     paths = args.paths.split(",") if args.paths else list(transport_class(args.transport).paths)

@@ -5,9 +5,10 @@
 ``redis`` (the stream ``CHAOS_QUEUE``, group ``CHAOS_GROUP``, keyed by the entry's ``chaos-id``, a dead
 consumer's entries claimed after 3 s idle). ``CHAOS_PATH`` picks the handler: ``default`` (two
 transactions, an effect row through ``ctx.db``), ``single`` (``single_transaction=True``, the same row),
-and on RabbitMQ only ``batch`` (the same, 64 deliveries a transaction) or ``outbox`` (two transactions,
-the row and an outbox message to ``CHAOS_QUEUE.out``, published by the relay running in the same
-process). The effect row names the business id: the AMQP ``message_id`` on RabbitMQ, the body (the same
+and on RabbitMQ only ``batch`` (the same, 64 deliveries a transaction), ``staged`` (``staged=True`` on
+asyncpg: the handler stages the row, which goes with the key's in one statement) or ``outbox`` (two
+transactions, the row and an outbox message to ``CHAOS_QUEUE.out``, published by the relay running in
+the same process). The effect row names the business id: the AMQP ``message_id`` on RabbitMQ, the body (the same
 id) on NATS and Redis.
 """
 
@@ -56,9 +57,13 @@ source = _source()
 
 
 @app.handler(source, name="chaos", single_transaction=PATH in ("single", "batch"),
-             batch=Batch(max_size=64, max_wait_ms=5) if PATH == "batch" else None)
+             batch=Batch(max_size=64, max_wait_ms=5) if PATH == "batch" else None,
+             staged=PATH == "staged", driver="asyncpg" if PATH == "staged" else "sqlalchemy")
 async def handle(ctx: Context) -> None:
     message_id = ctx.delivery.id if TRANSPORT == "rabbitmq" else ctx.delivery.text()
+    if PATH == "staged":
+        ctx.stage("INSERT INTO chaos_effects (message_id) VALUES ($1)", message_id)
+        return
     await ctx.db.execute(text("INSERT INTO chaos_effects (message_id) VALUES (:m)"), {"m": message_id})
     if PATH == "outbox":
         ctx.outbox.publish(f"{QUEUE}.out", (message_id or "").encode(), headers={"origin": "chaos"})
