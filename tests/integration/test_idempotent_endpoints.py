@@ -17,8 +17,8 @@ import sqlite3
 import threading
 import time
 import uuid
-from datetime import UTC, datetime, timedelta
 from collections.abc import AsyncIterator, Iterator
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import httpx

@@ -82,7 +82,7 @@ def test_the_forms_a_request_was_sent_in_are_kept_within_the_budget() -> None:
 
 def test_an_entry_is_not_walked_by_the_garbage_collector() -> None:
     """What an entry keeps is immutable: strings, numbers and tuples of them, untracked after one
-    collection each level of nesting, so that a full memory does not make every full collection of the process longer."""
+    collection a level of nesting, so that a full memory does not make every full collection longer."""
     finished = Finished(1 << 20)
     finished.keep(row("a", body="eyJpZCI6IDF9"), sent=sent_form("POST", "/p", b"", b'{"id": 1}', b"application/json",
                                                                  [(b"x-tenant", b"t1")]))

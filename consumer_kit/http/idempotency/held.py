@@ -33,7 +33,7 @@ class IdempotentContext(Context):
     for a scoped endpoint its id is a keyed digest of the caller and the client's key, so that the keys
     derived from it (``ctx.derive("carrier")``) differ between two callers who sent the same key."""
 
-    __slots__ = ("_made", "_request", "_received_at", "caller")
+    __slots__ = ("_made", "_received_at", "_request", "caller")
 
     def __init__(self, request: RequestFacts, received_at: datetime, **context: Any) -> None:
         self._made: Delivery | None = None
