@@ -17,7 +17,8 @@ autovacuum on, checkpoints every 15 minutes or 8 GB of WAL, ``wal_compression``)
 - **retention, scaled down**: ``INBOX_RETENTION_SECONDS`` of ``CK_BENCH_SOAK_RETENTION`` (120 s) and
   tombstones for ``CK_BENCH_SOAK_TOMBSTONE`` (240 s), so that the inbox and its tombstones reach their
   steady size within the run; the sweeper is the worker's own (``Inbox.sweep`` every
-  ``SWEEP_INTERVAL_SECONDS``, batches of ``SWEEP_BATCH_SIZE``, the settings' defaults);
+  ``SWEEP_INTERVAL_SECONDS``, batches of ``SWEEP_BATCH_SIZE``, paced by ``SWEEP_SHARE``, the settings'
+  defaults; ``SWEEP_SHARE=1`` for batches back to back);
 - **the long transaction**: from minute ``CK_BENCH_SOAK_LONG`` (``start,end``; by default from 45% to 65%
   of the run) a REPEATABLE READ transaction, as a report query opens, reads another table and stays
   open: its snapshot holds back what vacuum may remove in every table of the database;
@@ -56,6 +57,7 @@ from bench.common import bench_server, migrated_database
 from consumer_kit import Settings
 from consumer_kit.keys import KeyDigester
 from consumer_kit.store import Database, Inbox, create_engine
+from consumer_kit.store.pace import Pace
 
 MINUTES = int(os.environ.get("CK_BENCH_SOAK_MINUTES", "20"))
 RATE = int(os.environ.get("CK_BENCH_SOAK_RATE", "0"))
@@ -163,7 +165,8 @@ async def _sweep_forever(inbox: Inbox, load: Load, settings: _Defaults) -> None:
     while True:
         await asyncio.sleep(settings.sweep_interval_seconds)
         began = time.perf_counter()
-        swept = await inbox.sweep(batch_size=settings.sweep_batch_size)
+        swept = await inbox.sweep(batch_size=settings.sweep_batch_size,
+                                  pace=Pace(settings.sweep_share, settings.sweep_interval_seconds / 2))
         load.minute.swept += swept
         load.minute.sweep_seconds = max(load.minute.sweep_seconds, time.perf_counter() - began)
 
@@ -242,6 +245,7 @@ class _Defaults:
         fields = Settings.model_fields
         self.sweep_interval_seconds = float(fields["sweep_interval_seconds"].default)
         self.sweep_batch_size = int(fields["sweep_batch_size"].default)
+        self.sweep_share = float(os.environ.get("SWEEP_SHARE", fields["sweep_share"].default))
         self.inbox_lease_seconds = float(fields["inbox_lease_seconds"].default)
 
 
@@ -327,7 +331,8 @@ _COLUMNS = (("min", 3), ("started/s", 9), ("done/s", 7), ("claim p50", 9), ("p99
 async def _soak(dsn: str, load: Load, inbox: Inbox, settings: _Defaults, rate: int,
                 stats: asyncpg.Connection, opens: float, closes: float) -> list[Row]:
     print(f"soak: {rate} keys/s for {MINUTES} min; retention {RETENTION} s, tombstones {TOMBSTONE} s, sweep every "
-          f"{settings.sweep_interval_seconds:.0f} s in batches of {settings.sweep_batch_size}; a REPEATABLE READ "
+          f"{settings.sweep_interval_seconds:.0f} s in batches of {settings.sweep_batch_size} (working "
+          f"{settings.sweep_share:.0%} of its time, SWEEP_SHARE); a REPEATABLE READ "
           f"transaction open from minute {opens:g} to {closes:g}", flush=True)
     shown = [f"{name} {await stats.fetchval(f'SHOW {name}')}" for name in _SETTINGS]
     where = "the run's own server" if SERVER == "own" else "the machine's server"

@@ -27,6 +27,7 @@ from consumer_kit.store import DeadLetters, Inbox, Outbox, create_engine, ensure
 from consumer_kit.store.connections import Database
 from consumer_kit.store.database import AppMigrations
 from consumer_kit.store.inbox import Clock
+from consumer_kit.store.pace import Pace
 
 if TYPE_CHECKING:
     from starlette.applications import Starlette
@@ -389,7 +390,9 @@ class ConsumerApp:
 
     async def sweep(self) -> int:
         """Delete expired inbox rows now, in batches; returns how many went."""
-        swept = await self.inbox.sweep(batch_size=self.settings.sweep_batch_size)
+        settings = self.settings
+        swept = await self.inbox.sweep(batch_size=settings.sweep_batch_size,
+                                       pace=Pace(settings.sweep_share, settings.sweep_interval_seconds / 2))
         metrics.SWEPT.labels("inbox").inc(swept)
         if isinstance(self._coordinator, CoordinatorLifecycle):
             swept += await self._coordinator.sweep()

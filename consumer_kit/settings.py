@@ -108,6 +108,11 @@ class Settings(BaseSettings):
         "receipts by a worker, published outbox rows by a relay.")
     sweep_batch_size: int = Field(
         500, gt=0, description="Rows a sweep deletes per statement, each statement its own short transaction.")
+    sweep_share: float = Field(
+        0.25, gt=0, le=1, description="The share of its time an inbox sweep spends deleting: after each batch it "
+        "pauses (1/share - 1) times as long as the batch took, so that its deletes do not take the database's cores "
+        "in one burst beside the claims; only in the first half of SWEEP_INTERVAL_SECONDS, after which it goes on at "
+        "full speed (so it keeps up as an unpaced one would). 1: batches back to back.")
     db_pool_size: int = Field(
         10, gt=0, description="Connections of each pool (SQLAlchemy's, which may overflow by as many again, and on "
         "PostgreSQL consumer-kit's own asyncpg pool); a delivery holds one from its claim to its commit (the docs' "

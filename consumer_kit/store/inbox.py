@@ -22,6 +22,7 @@ from consumer_kit.store import sql
 from consumer_kit.store.claims import BatchKey, Claim, ClaimStatus, Clock, claimable, utcnow, verdict
 from consumer_kit.store.connections import Database
 from consumer_kit.store.executor import Executor, Row, rerun_on_conflict
+from consumer_kit.store.pace import Pace
 from consumer_kit.store.receipts import Creation, Ending
 
 __all__ = ["BatchKey", "Claim", "ClaimStatus", "Clock", "Inbox", "claimable", "utcnow", "verdict"]
@@ -338,12 +339,12 @@ class Inbox:
         """Drop a key's tombstone (a late delivery processed anyway makes it a key like any other)."""
         await ex.execute_many(sql.FORGET_TOMBSTONE, [{"consumer": consumer, "key_digest": d} for d in digests])
 
-    async def sweep(self, *, batch_size: int = 500, max_batches: int | None = None) -> int:
-        """Delete expired rows in batches of ``batch_size``, each its own short transaction (on
-        PostgreSQL skipping rows a claim has locked), leaving a tombstone of each (its digest) for
-        ``tombstone_seconds``; then delete expired tombstones. A started row with a live lease is never
-        deleted."""
+    async def sweep(self, *, batch_size: int = 500, max_batches: int | None = None, pace: Pace | None = None) -> int:
+        """Delete expired rows in batches of ``batch_size``, each its own short transaction (on PostgreSQL
+        skipping rows a claim has locked), leaving a tombstone (its digest) for ``tombstone_seconds``; then
+        expired tombstones. ``pace``: pauses between batches. A started row with a live lease stays."""
         total = batches = 0
+        pace = pace or Pace()
         since = datetime.min.replace(tzinfo=UTC)  # each batch goes on from the newest expiry the one before deleted
         while max_batches is None or batches < max_batches:
             now = self.clock()
@@ -351,10 +352,10 @@ class Inbox:
                       "tombstone_expires_at": now + self.tombstone}
             async with self.database.transaction() as ex:
                 deleted, newest = await self._dialect.sweep(ex, params)
-            total, batches = total + deleted, batches + 1
-            since = newest or since
+            total, batches, since = total + deleted, batches + 1, newest or since
             if deleted < batch_size:
                 break
+            await pace.step()
         since = datetime.min.replace(tzinfo=UTC)
         while True:
             async with self.database.connect() as ex:
@@ -363,6 +364,7 @@ class Inbox:
             since = newest or since
             if gone < batch_size:
                 return total
+            await pace.step()
 
 
 def _acquired(digest: str, attempts: int, params: Mapping[str, Any], carried: Row | None, *,
@@ -381,27 +383,22 @@ class _Dialect(Protocol):
                     creation: Creation | None, *, expired: bool) -> Claim | None:
         """The claim's statement: the lease taken, or what holds the key; ``None`` when another claim
         got there after the statement's snapshot (the caller reads the committed row)."""
-        ...
 
     async def insert_completed(self, ex: Executor, consumer: str, keys: Sequence[BatchKey],
                                params: Mapping[str, Any]) -> set[str]:
         """A batch's new keys written completed; the digests written."""
-        ...
 
     async def rows(self, ex: Executor, consumer: str, digests: Sequence[str]) -> dict[str, Row]:
         """The rows of ``digests``, by digest."""
-        ...
 
     async def complete_ending(self, ex: Executor, params: Mapping[str, Any], ending: Ending) -> bool:
         """The completion that also ends the coordinator's session (``Ending.ended``)."""
-        ...
 
     async def sweep(self, ex: Executor, params: Mapping[str, Any]) -> tuple[int, datetime | None]:
         """A batch swept in ``ex``'s transaction: rows gone, their newest expiry (``None``: start as before)."""
 
     async def sweep_tombstones(self, ex: Executor, params: Mapping[str, Any]) -> tuple[int, datetime | None]:
         """One batch of expired tombstones deleted, as :meth:`sweep`."""
-        ...
 
 
 class _Postgres:

@@ -26,6 +26,7 @@ from consumer_kit.store import (
 )
 from consumer_kit.store.database import VERSION_TABLE
 from consumer_kit.store.executor import Executor
+from consumer_kit.store.pace import Pace
 from consumer_kit.store.receipts import Creation, ReceiptStore, Scope
 from consumer_kit.store.sql import Statement
 from consumer_kit.testing import InMemorySource
@@ -88,6 +89,23 @@ async def test_sweeper_deletes_expired_rows_in_batches(database: Database) -> No
     # Once its lease ran out it goes too, although every batch of the sweep before went on past its expiry.
     clock.now += timedelta(seconds=31)
     assert await store.sweep(batch_size=10) == 1
+
+
+async def test_a_paced_sweep_pauses_between_its_batches_and_deletes_as_much(database: Database) -> None:
+    clock = Clock()
+    store = Inbox(database, lease_seconds=30, retention_seconds=3600, clock=clock)
+    for i in range(25):
+        assert await complete(database, store, await claim(database, store, f"old{i:04d}"))
+    clock.now += timedelta(minutes=70)
+    pauses: list[float] = []
+
+    async def sleep(seconds: float) -> None:
+        pauses.append(seconds)
+
+    assert await store.sweep(batch_size=10, pace=Pace(0.5, within=60, sleep=sleep)) == 25
+    assert len(pauses) == 2 and all(p > 0 for p in pauses)  # after each full batch (10, 10), not after the last (5)
+    async with database.engine.connect() as conn:
+        assert (await conn.execute(select(func.count()).select_from(inbox))).scalar_one() == 0
 
 
 async def test_rows_written_before_an_hmac_rotation_are_still_found(database_url: str) -> None:
