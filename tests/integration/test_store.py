@@ -108,6 +108,32 @@ async def test_a_paced_sweep_pauses_between_its_batches_and_deletes_as_much(data
         assert (await conn.execute(select(func.count()).select_from(inbox))).scalar_one() == 0
 
 
+async def test_a_sweep_cancelled_in_its_pause_holds_nothing_and_the_next_one_goes_on(database: Database) -> None:
+    clock = Clock()
+    store = Inbox(database, lease_seconds=30, retention_seconds=3600, clock=clock)
+    for i in range(25):
+        assert await complete(database, store, await claim(database, store, f"old{i:04d}"))
+    clock.now += timedelta(minutes=70)
+    pausing = asyncio.Event()
+
+    async def sleep(_seconds: float) -> None:  # the first pause: the sweep is cancelled there (a worker stopping)
+        pausing.set()
+        await asyncio.Event().wait()
+
+    sweeping = asyncio.create_task(store.sweep(batch_size=10, pace=Pace(0.5, within=60, sleep=sleep)))
+    await asyncio.wait_for(pausing.wait(), 10)
+    sweeping.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await sweeping
+    assert database.engine.pool.checkedout() == 0  # type: ignore[attr-defined]
+    if database.asyncpg:  # the store's own pool, which its statements use there
+        pool = await database.pool()
+        assert pool.get_idle_size() == pool.get_size()
+    async with database.engine.connect() as conn:
+        assert (await conn.execute(select(func.count()).select_from(inbox))).scalar_one() == 15  # its first batch
+    assert await store.sweep(batch_size=10) == 15
+
+
 async def test_rows_written_before_an_hmac_rotation_are_still_found(database_url: str) -> None:
     new_key = "rotated-hmac-key-fedcba9876543210"
     before = make_settings(database_url)
