@@ -162,8 +162,11 @@ class Load:
 
 async def _sweep_forever(inbox: Inbox, load: Load, settings: _Defaults) -> None:
     """The sweep a worker runs every SWEEP_INTERVAL_SECONDS (``Inbox.sweep``), counted into the load's minute."""
-    while True:
-        await asyncio.sleep(settings.sweep_interval_seconds)
+    loop, interval = asyncio.get_running_loop(), settings.sweep_interval_seconds
+    due = loop.time() + interval
+    while True:  # from one sweep's start to the next, as the worker's
+        await asyncio.sleep(max(0.0, due - loop.time()))
+        due = loop.time() + interval
         began = time.perf_counter()
         swept = await inbox.sweep(batch_size=settings.sweep_batch_size,
                                   pace=Pace(settings.sweep_share, settings.sweep_interval_seconds / 2))

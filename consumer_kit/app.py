@@ -399,8 +399,12 @@ class ConsumerApp:
         return swept
 
     async def _sweep_forever(self) -> None:
+        """A sweep every SWEEP_INTERVAL_SECONDS, from one's start to the next (a paced sweep takes a while)."""
+        loop, interval = asyncio.get_running_loop(), self.settings.sweep_interval_seconds
+        due = loop.time() + interval
         while True:
-            await asyncio.sleep(self.settings.sweep_interval_seconds)
+            await asyncio.sleep(max(0.0, due - loop.time()))
+            due = loop.time() + interval
             try:
                 await self.sweep()
             except Exception as exc:

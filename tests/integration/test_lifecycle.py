@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 
+import pytest
 from prometheus_client import REGISTRY
+from sqlalchemy import text
 
 from consumer_kit import ConsumerApp, Context, Outcome
 from consumer_kit.testing import InMemorySource
@@ -88,3 +91,45 @@ async def test_metrics_count_outcomes_by_source(database_url: str) -> None:
         assert sample("consumer_kit_deliveries_total", source=source.name, outcome=outcome) == before[outcome] + 1
     assert sample("consumer_kit_handler_duration_seconds_count", source=source.name) >= 1
     assert sample("consumer_kit_dead_letters_total", source=source.name, reason="missing_stable_id") >= 1
+
+
+async def test_the_worker_sweeps_expired_rows_by_itself_every_interval(database_url: str,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sweeper a running app keeps: expired rows go without anyone asking, and sweeps start every
+    SWEEP_INTERVAL_SECONDS from one's start to the next, so that a paced sweep (which takes a while)
+    does not stretch the interval by its own length."""
+    app = ConsumerApp(make_settings(database_url, sweep_interval_seconds=0.3, inbox_retention_seconds=1,
+                                    inbox_tombstone_seconds=60))
+    source = InMemorySource(namespace="swept", version=1)
+
+    @app.handler(source)
+    async def handle(ctx: Context) -> None:
+        pass
+
+    swept, fifth = asyncio.Event(), asyncio.Event()
+    starts: list[float] = []
+    sweep = ConsumerApp.sweep
+
+    async def timed_sweep(self: ConsumerApp) -> int:
+        starts.append(asyncio.get_running_loop().time())
+        if len(starts) == 5:
+            fifth.set()
+        count = await sweep(self)
+        if count:
+            swept.set()
+        await asyncio.sleep(0.3)  # a sweep as long as the interval
+        return count
+
+    monkeypatch.setattr(ConsumerApp, "sweep", timed_sweep)
+    async with app.running():
+        for i in range(3):
+            assert (await source.deliver(id=f"swept-{i}", body=b"x")).outcome is Outcome.PROCESSED
+        await asyncio.wait_for(swept.wait(), 20)  # retention 1 s: the rows expire and the sweeper takes them
+        async with app.engine.connect() as conn:
+            left = (await conn.execute(text("SELECT count(*) FROM inbox WHERE consumer = 'handle'"))).scalar_one()
+        assert left == 0
+        late = await source.deliver(id="swept-0", body=b"x")
+        assert late.outcome is Outcome.DEAD_LETTERED, late  # its tombstone: a late delivery, parked by default
+        await asyncio.wait_for(fifth.wait(), 20)
+    gaps = sorted(b - a for a, b in itertools.pairwise(starts))
+    assert gaps[len(gaps) // 2] < 0.45, gaps  # about 0.3 s apart, not 0.3 s plus the sweep's own 0.3 s
