@@ -91,12 +91,18 @@ async def test_sweeper_deletes_expired_rows_in_batches(database: Database) -> No
     assert await store.sweep(batch_size=10) == 1
 
 
-async def test_a_paced_sweep_pauses_between_its_batches_and_deletes_as_much(database: Database) -> None:
+async def expired(database: Database, count: int) -> Inbox:
+    """An inbox with ``count`` completed rows, all expired by its clock."""
     clock = Clock()
     store = Inbox(database, lease_seconds=30, retention_seconds=3600, clock=clock)
-    for i in range(25):
+    for i in range(count):
         assert await complete(database, store, await claim(database, store, f"old{i:04d}"))
     clock.now += timedelta(minutes=70)
+    return store
+
+
+async def test_a_paced_sweep_pauses_between_its_batches_and_deletes_as_much(database: Database) -> None:
+    store = await expired(database, 25)
     pauses: list[float] = []
 
     async def sleep(seconds: float) -> None:
@@ -109,11 +115,7 @@ async def test_a_paced_sweep_pauses_between_its_batches_and_deletes_as_much(data
 
 
 async def test_a_sweep_cancelled_in_its_pause_holds_nothing_and_the_next_one_goes_on(database: Database) -> None:
-    clock = Clock()
-    store = Inbox(database, lease_seconds=30, retention_seconds=3600, clock=clock)
-    for i in range(25):
-        assert await complete(database, store, await claim(database, store, f"old{i:04d}"))
-    clock.now += timedelta(minutes=70)
+    store = await expired(database, 25)
     pausing = asyncio.Event()
 
     async def sleep(_seconds: float) -> None:  # the first pause: the sweep is cancelled there (a worker stopping)
