@@ -101,10 +101,11 @@ async def test_the_worker_sweeps_expired_rows_by_itself_every_interval(database_
     app = ConsumerApp(make_settings(database_url, sweep_interval_seconds=0.3, inbox_retention_seconds=1,
                                     inbox_tombstone_seconds=60))
     source = InMemorySource(namespace="swept", version=1)
+    ran: list[str | None] = []
 
     @app.handler(source)
     async def handle(ctx: Context) -> None:
-        pass
+        ran.append(ctx.delivery.id)
 
     swept, fifth = asyncio.Event(), asyncio.Event()
     starts: list[float] = []
@@ -130,6 +131,7 @@ async def test_the_worker_sweeps_expired_rows_by_itself_every_interval(database_
         assert left == 0
         late = await source.deliver(id="swept-0", body=b"x")
         assert late.outcome is Outcome.DEAD_LETTERED, late  # its tombstone: a late delivery, parked by default
+        assert ran == ["swept-0", "swept-1", "swept-2"]  # the late repeat did not run again
         await asyncio.wait_for(fifth.wait(), 20)
     gaps = sorted(b - a for a, b in itertools.pairwise(starts))
     assert gaps[len(gaps) // 2] < 0.45, gaps  # about 0.3 s apart, not 0.3 s plus the sweep's own 0.3 s
