@@ -14,14 +14,15 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
-from typing import Any, Protocol
+from typing import Any
 
-from consumer_kit.store import sql
+from consumer_kit.store import partitions, sql
 from consumer_kit.store.claims import BatchKey, Claim, ClaimStatus, Clock, claimable, utcnow, verdict
 from consumer_kit.store.connections import Database
-from consumer_kit.store.executor import Executor, Row, rerun_on_conflict
+from consumer_kit.store.executor import Executor, Row
+from consumer_kit.store.inbox_dialects import NOT_YET, Dialect, Partitioned, Postgres, Sqlite, Statements
 from consumer_kit.store.pace import Pace
 from consumer_kit.store.receipts import Creation, Ending
 
@@ -32,8 +33,8 @@ class _SharedReads:
     while it runs wait for the next, which reads them all in one statement (per consumer). A waiting
     caller that is cancelled gives up only its own answer; the read goes on in its own task."""
 
-    def __init__(self, database: Database) -> None:
-        self.database = database
+    def __init__(self, inbox: Inbox) -> None:
+        self.inbox = inbox
         self._waiting: dict[str, list[tuple[Sequence[str], asyncio.Future[Row | None]]]] = {}
         self._readers: dict[str, asyncio.Task[None]] = {}
 
@@ -50,8 +51,11 @@ class _SharedReads:
             while batch := self._waiting.pop(consumer, []):
                 wanted = list(dict.fromkeys(d for digests, _ in batch for d in digests))
                 try:
-                    async with self.database.connect() as ex:
-                        rows = await ex.fetch_all(sql.LOOKUP_MANY, {"consumer": consumer, "key_digests": wanted})
+                    inbox = self.inbox
+                    async with inbox.database.connect() as ex:
+                        rows = await ex.fetch_all(inbox.statements.lookup_many, {
+                            "consumer": consumer, "key_digests": wanted, "now": inbox.clock(),
+                            "tombstones": inbox.tombstones})
                 except Exception as exc:  # each caller decides what a failed read means for it
                     for _, future in batch:
                         if not future.done():
@@ -74,9 +78,11 @@ class Inbox:
     """Claim, renew, complete, release, park and sweep inbox rows."""
 
     def __init__(self, database: Database, *, lease_seconds: float, retention_seconds: float,
-                 clock: Clock = utcnow, tombstone_seconds: float = 0) -> None:
+                 clock: Clock = utcnow, tombstone_seconds: float = 0, partitioned: bool = False) -> None:
         """``tombstone_seconds``: how long the sweeper keeps the digest of a row it deletes, during which
-        a claim of that key finds it ``SWEPT`` (0: no tombstones; the key is then new again)."""
+        a claim of that key finds it ``SWEPT`` (0: no tombstones; the key is then new again).
+        ``partitioned``: the database's inbox is the partitioned one (PostgreSQL on asyncpg, see
+        :mod:`consumer_kit.store.partitions`)."""
         self.database = database
         self.lease = timedelta(seconds=lease_seconds)
         self.retention = timedelta(seconds=retention_seconds)
@@ -84,8 +90,13 @@ class Inbox:
         self.tombstones = tombstone_seconds > 0
         self.clock = clock
         # The operations whose statements differ by database, chosen once (see _Postgres, _Sqlite).
-        self._dialect: _Dialect = _Postgres() if database.can.writes_in_claim else _Sqlite()
-        self._reads = _SharedReads(database)
+        self.partitioned = partitioned
+        if partitioned and not database.asyncpg:
+            raise ValueError("the partitioned inbox is PostgreSQL's, on asyncpg (postgresql+asyncpg://)")
+        self._dialect: Dialect = (Partitioned() if partitioned else Postgres() if database.can.writes_in_claim
+                                  else Sqlite())
+        self.statements: Statements = self._dialect.sql
+        self._reads = _SharedReads(self)
 
     @property
     def shares_reads(self) -> bool:
@@ -96,7 +107,8 @@ class Inbox:
     async def lookup(self, ex: Executor, consumer: str, digests: Sequence[str]) -> Row | None:
         """The row stored under any of ``digests`` (current HMAC key first), without a lock."""
         for digest in digests:
-            row = await ex.fetch_one(sql.LOOKUP, {"consumer": consumer, "key_digest": digest})
+            row = await ex.fetch_one(self.statements.lookup, {"consumer": consumer, "key_digest": digest,
+                                                              "now": self.clock(), "tombstones": self.tombstones})
             if row is not None:
                 return row
         return None
@@ -155,13 +167,13 @@ class Inbox:
         params = {"consumer": consumer, "key_digest": digests[0], "namespace": namespace, "version": version,
                   "fingerprint": fingerprint, "outcome": outcome, "now": now, "expires_at": now + self.retention,
                   "tombstones": self.tombstones}
-        if len(digests) == 1 and await ex.execute(sql.INSERT_COMPLETED, params) == 1:
+        if len(digests) == 1 and await self._dialect.insert_one(ex, params):
             return Claim(ClaimStatus.ACQUIRED, digests[0], 1)
         existing = await self.lookup(ex, consumer, digests)
         if existing is None:
             if await self._swept(ex, consumer, digests):
                 return Claim(ClaimStatus.SWEPT, digests[0], 0)
-            if await ex.execute(sql.INSERT_COMPLETED, params) == 1:  # a new key after all
+            if await self._dialect.insert_one(ex, params):  # a new key after all
                 return Claim(ClaimStatus.ACQUIRED, digests[0], 1)
             existing = await self.lookup(ex, consumer, digests)
             assert existing is not None
@@ -181,6 +193,8 @@ class Inbox:
         earlier attempt left started and free (``carried``: that row); else what holds the key, ``SWEPT``
         for a tombstone, and ``IN_PROGRESS`` while another transaction holds it (PostgreSQL: the key's
         advisory lock, not waited for; on SQLite the one writer made the others wait at ``BEGIN``)."""
+        if self.partitioned:
+            raise NotImplementedError(NOT_YET.format(what="idempotent endpoints"))
         existing: Row | None = None
         swept = False
         rest = digests
@@ -260,8 +274,9 @@ class Inbox:
     async def renew(self, ex: Executor, consumer: str, digest: str, token: str) -> bool:
         """Extend our lease by one lease length; ``False`` when it is no longer ours."""
         now = self.clock()
-        return await ex.execute(sql.RENEW, {"consumer": consumer, "key_digest": digest, "lease_token": token,
-                                            "locked_until": now + self.lease, "now": now}) == 1
+        return await ex.execute(self.statements.renew, {
+            "consumer": consumer, "key_digest": digest, "lease_token": token, "locked_until": now + self.lease,
+            "now": now}) == 1
 
     async def release(self, ex: Executor, consumer: str, digest: str, token: str, *,
                       error: str | None = None) -> bool:
@@ -295,11 +310,11 @@ class Inbox:
             existing = await self.lookup(ex, consumer, digests)
             digest = existing["key_digest"] if existing is not None else digest
         now = self.clock()
-        row = await ex.fetch_one(sql.RECORD_FAILURE, {
+        attempts = await self._dialect.record_failure(ex, {
             "consumer": consumer, "key_digest": digest, "namespace": namespace, "version": version,
             "fingerprint": fingerprint, "last_error": error[:500], "now": now, "expires_at": now + self.retention})
-        if row is not None:
-            return int(row["attempts"])
+        if attempts is not None:
+            return attempts
         found = await self.lookup(ex, consumer, [digest])  # finished or parked meanwhile
         return int(found["attempts"]) if found is not None else 1
 
@@ -311,7 +326,8 @@ class Inbox:
         if not self.tombstones:
             return False
         for digest in digests:
-            if await ex.fetch_one(sql.TOMBSTONE, {"consumer": consumer, "key_digest": digest}) is not None:
+            if await ex.fetch_one(self.statements.tombstone, {"consumer": consumer, "key_digest": digest,
+                                                              "now": self.clock()}) is not None:
                 return True
         return False
 
@@ -337,14 +353,23 @@ class Inbox:
 
     async def forget(self, ex: Executor, consumer: str, digests: Sequence[str]) -> None:
         """Drop a key's tombstone (a late delivery processed anyway makes it a key like any other)."""
-        await ex.execute_many(sql.FORGET_TOMBSTONE, [{"consumer": consumer, "key_digest": d} for d in digests])
+        now = self.clock()
+        await ex.execute_many(self.statements.forget_tombstone,
+                              [{"consumer": consumer, "key_digest": d, "now": now} for d in digests])
 
     async def sweep(self, *, batch_size: int = 500, max_batches: int | None = None, pace: Pace | None = None) -> int:
         """Delete expired rows in batches of ``batch_size``, each its own short transaction (on PostgreSQL
         skipping rows a claim has locked), leaving a tombstone (its digest) for ``tombstone_seconds``; then
-        expired tombstones. ``pace``: pauses between batches. A started row with a live lease stays."""
+        expired tombstones. ``pace``: pauses between batches. A started row with a live lease stays.
+        The partitioned inbox deletes no rows: its generations leave whole (``partitions.maintain``); the
+        count is then of the rows that left with them."""
         total = batches = 0
         pace = pace or Pace()
+        if self.partitioned:
+            async with (await self.database.pool()).acquire() as conn:
+                done = await partitions.maintain(conn, self.clock(), retention=self.retention,
+                                                 tombstone=self.tombstone)
+            total, max_batches = done.rows, 0
         since = datetime.min.replace(tzinfo=UTC)  # each batch goes on from the newest expiry the one before deleted
         while max_batches is None or batches < max_batches:
             now = self.clock()
@@ -365,133 +390,3 @@ class Inbox:
             if gone < batch_size:
                 return total
             await pace.step()
-
-
-def _acquired(digest: str, attempts: int, params: Mapping[str, Any], carried: Row | None, *,
-              took_over: bool) -> Claim:
-    return Claim(ClaimStatus.ACQUIRED, digest, int(attempts), params["lease_token"], params["locked_until"],
-                 carried=carried, took_over=took_over)
-
-
-class _Dialect(Protocol):
-    """The inbox operations whose statements differ by database: one strategy each, chosen once."""
-
-    reads_first: bool
-    """Whether a claim reads the row (and its tombstone) before its statement, which does not."""
-
-    async def claim(self, ex: Executor, digest: str, fingerprint: str, params: Mapping[str, Any],
-                    creation: Creation | None, *, expired: bool) -> Claim | None:
-        """The claim's statement: the lease taken, or what holds the key; ``None`` when another claim
-        got there after the statement's snapshot (the caller reads the committed row)."""
-
-    async def insert_completed(self, ex: Executor, consumer: str, keys: Sequence[BatchKey],
-                               params: Mapping[str, Any]) -> set[str]:
-        """A batch's new keys written completed; the digests written."""
-
-    async def rows(self, ex: Executor, consumer: str, digests: Sequence[str]) -> dict[str, Row]:
-        """The rows of ``digests``, by digest."""
-
-    async def complete_ending(self, ex: Executor, params: Mapping[str, Any], ending: Ending) -> bool:
-        """The completion that also ends the coordinator's session (``Ending.ended``)."""
-
-    async def sweep(self, ex: Executor, params: Mapping[str, Any]) -> tuple[int, datetime | None]:
-        """A batch swept in ``ex``'s transaction: rows gone, their newest expiry (``None``: start as before)."""
-
-    async def sweep_tombstones(self, ex: Executor, params: Mapping[str, Any]) -> tuple[int, datetime | None]:
-        """One batch of expired tombstones deleted, as :meth:`sweep`."""
-
-
-class _Postgres:
-    """One statement an operation: the claim tests the row and its tombstone itself, a batch is
-    written and read in one statement each, a session's creation and ending ride on the claim and the
-    completion (data-modifying CTEs)."""
-
-    reads_first = False
-
-    async def claim(self, ex: Executor, digest: str, fingerprint: str, params: Mapping[str, Any],
-                    creation: Creation | None, *, expired: bool) -> Claim | None:
-        if creation is not None:
-            row = await rerun_on_conflict(ex.fetch_one, sql.CLAIM_CREATING_SESSION, {**params, **creation.params})
-        else:
-            row = await ex.fetch_one(sql.CLAIM, params)
-        assert row is not None
-        if row["claimed"] is not None:
-            return _acquired(digest, row["claimed"], params, row if creation is not None else None,
-                             took_over=row["inbox_locked_until"] is not None)
-        if row["tombstoned"]:
-            return Claim(ClaimStatus.SWEPT, digest, 0)
-        if row["inbox_state"] is not None:
-            seen = {name: row[f"inbox_{name}"] for name in
-                    ("state", "fingerprint", "locked_until", "attempts", "result")}
-            if not claimable(seen, fingerprint, params["now"]):
-                return verdict({**seen, "key_digest": digest}, fingerprint)
-        return None
-
-    async def insert_completed(self, ex: Executor, consumer: str, keys: Sequence[BatchKey],
-                               params: Mapping[str, Any]) -> set[str]:
-        return {row["key_digest"] for row in await ex.fetch_all(sql.CLAIM_BATCH, {
-            **params, "consumer": consumer, "key_digests": [k.digest for k in keys],
-            "namespaces": [k.namespace for k in keys], "versions": [k.version for k in keys],
-            "fingerprints": [k.fingerprint for k in keys]})}
-
-    async def rows(self, ex: Executor, consumer: str, digests: Sequence[str]) -> dict[str, Row]:
-        return {row["key_digest"]: row for row in await ex.fetch_all(
-            sql.LOOKUP_MANY, {"consumer": consumer, "key_digests": list(digests)})}
-
-    async def complete_ending(self, ex: Executor, params: Mapping[str, Any], ending: Ending) -> bool:
-        row = await ex.fetch_one(sql.COMPLETE_ENDING_SESSION, {**params, **ending.params})
-        assert row is not None
-        ending.ended = bool(row["ended"])
-        return bool(row["completed"] == 1)
-
-    async def sweep(self, ex: Executor, params: Mapping[str, Any]) -> tuple[int, datetime | None]:
-        (row,) = await ex.fetch_all(sql.SWEEP_INBOX, params)  # an aggregate: always one row
-        return int(row["swept"]), row["newest"]
-
-    async def sweep_tombstones(self, ex: Executor, params: Mapping[str, Any]) -> tuple[int, datetime | None]:
-        (row,) = await ex.fetch_all(sql.SWEEP_TOMBSTONES, params)
-        return int(row["swept"]), row["newest"]
-
-
-class _Sqlite:
-    """One writer, no data-modifying CTEs: the claim reads first and then takes the row; a batch is
-    a statement a key in one transaction; a sweep selects, keeps tombstones and deletes."""
-
-    reads_first = True
-
-    async def claim(self, ex: Executor, digest: str, fingerprint: str, params: Mapping[str, Any],
-                    creation: Creation | None, *, expired: bool) -> Claim | None:
-        row = await ex.fetch_one(sql.CLAIM_SQLITE, params)
-        return None if row is None else _acquired(digest, row["attempts"], params, None, took_over=expired)
-
-    async def insert_completed(self, ex: Executor, consumer: str, keys: Sequence[BatchKey],
-                               params: Mapping[str, Any]) -> set[str]:
-        inserted = set()
-        for k in keys:
-            if await ex.execute(sql.INSERT_COMPLETED, {
-                    **params, "consumer": consumer, "key_digest": k.digest, "namespace": k.namespace,
-                    "version": k.version, "fingerprint": k.fingerprint}) == 1:
-                inserted.add(k.digest)
-        return inserted
-
-    async def rows(self, ex: Executor, consumer: str, digests: Sequence[str]) -> dict[str, Row]:
-        found = {}
-        for digest in digests:
-            row = await ex.fetch_one(sql.LOOKUP, {"consumer": consumer, "key_digest": digest})
-            if row is not None:
-                found[digest] = row
-        return found
-
-    async def complete_ending(self, ex: Executor, params: Mapping[str, Any], ending: Ending) -> bool:
-        return await ex.execute(sql.COMPLETE, params) == 1  # the session is ended after the commit
-
-    async def sweep(self, ex: Executor, params: Mapping[str, Any]) -> tuple[int, datetime | None]:
-        rows = await ex.fetch_all(sql.SWEEP_INBOX, params)
-        keys = [{"consumer": row["consumer"], "key_digest": row["key_digest"]} for row in rows]
-        if params["tombstones"]:
-            await ex.execute_many(sql.TOMBSTONE_SQLITE, [{**k, **params} for k in keys])
-        await ex.execute_many(sql.DELETE_SWEPT_SQLITE, keys)
-        return len(keys), None  # SQLite frees deleted rows at once: the next batch may start over
-
-    async def sweep_tombstones(self, ex: Executor, params: Mapping[str, Any]) -> tuple[int, datetime | None]:
-        return await ex.execute(sql.SWEEP_TOMBSTONES_SQLITE, params), None

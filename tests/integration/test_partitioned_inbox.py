@@ -1,0 +1,251 @@
+"""The partitioned inbox (PostgreSQL on asyncpg): made from the plain table with its rows, one row a key
+across partitions under concurrent claims and rotations, the dedup window at a partition's boundary,
+partitions leaving under a long transaction, and what it refuses."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+from datetime import UTC, datetime, timedelta
+
+import asyncpg
+import pytest
+
+from consumer_kit.store import Claim, ClaimStatus, Database, Inbox, create_engine, partitions
+from tests.conftest import migrated_database
+
+pytestmark = pytest.mark.postgres
+
+RETENTION = timedelta(hours=1)
+TOMBSTONE = timedelta(hours=2)
+PARTITION = timedelta(minutes=10)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = datetime(2026, 1, 1, tzinfo=UTC)
+
+    def __call__(self) -> datetime:
+        return self.now
+
+
+@pytest.fixture
+def url() -> Iterator[str]:
+    """A database of its own: the layout is changed in it."""
+    with migrated_database("ck_part") as url:
+        yield url
+
+
+@pytest.fixture
+async def database(url: str) -> AsyncIterator[Database]:
+    engine = create_engine(url)
+    database = Database(engine)
+    try:
+        yield database
+    finally:
+        await database.close()
+        await engine.dispose()
+
+
+def store(database: Database, clock: Clock, *, partitioned: bool = True) -> Inbox:
+    return Inbox(database, lease_seconds=30, retention_seconds=RETENTION.total_seconds(), clock=clock,
+                 tombstone_seconds=TOMBSTONE.total_seconds(), partitioned=partitioned)
+
+
+async def partition(database: Database, clock: Clock) -> bool:
+    async with (await database.pool()).acquire() as conn:
+        return await partitions.partition(conn, seconds=PARTITION.total_seconds(), now=clock())
+
+
+async def claim(database: Database, inbox: Inbox, name: str, fp: str = "fp") -> Claim:
+    async with database.connect() as ex:
+        return await inbox.claim(ex, "c", [digest(name)], fp, namespace="ns", version=1)
+
+
+async def complete(database: Database, inbox: Inbox, found: Claim) -> bool:
+    async with database.transaction() as ex:
+        return await inbox.complete(ex, "c", found.digest, found.lease_token or "", outcome="processed")
+
+
+async def claim_completed(database: Database, inbox: Inbox, name: str) -> Claim:
+    async with database.transaction() as ex:
+        return await inbox.claim_completed(ex, "c", [digest(name)], "fp", namespace="ns", version=1,
+                                           outcome="processed")
+
+
+def digest(name: str) -> str:
+    return name.ljust(64, "x")
+
+
+async def rows_by_generation(database: Database) -> dict[str, list[int]]:
+    async with (await database.pool()).acquire() as conn:
+        rows = await conn.fetch("SELECT key_digest, generation FROM inbox ORDER BY generation")
+    found: dict[str, list[int]] = {}
+    for row in rows:
+        found.setdefault(row["key_digest"].rstrip("x"), []).append(row["generation"])
+    return found
+
+
+async def test_the_plain_inbox_becomes_generations_and_its_keys_are_still_known(database: Database) -> None:
+    clock = Clock()
+    plain = store(database, clock, partitioned=False)
+    done = await claim(database, plain, "before")
+    assert await complete(database, plain, done)
+    started = await claim(database, plain, "running")  # its lease is held across the change
+    assert await partition(database, clock)
+    assert not await partition(database, clock)  # once
+    async with (await database.pool()).acquire() as conn:
+        assert await partitions.layout(conn) == "partitioned"
+        assert await conn.fetchval("SELECT current FROM inbox_rotation") == 1
+    inbox = store(database, clock)
+    assert (await claim(database, inbox, "before")).status is ClaimStatus.COMPLETED
+    assert (await claim(database, inbox, "running")).status is ClaimStatus.IN_PROGRESS
+    assert await complete(database, inbox, started)  # the lease taken on the plain table completes
+    assert (await claim(database, inbox, "running")).status is ClaimStatus.COMPLETED
+    new = await claim(database, inbox, "after")
+    assert new.status is ClaimStatus.ACQUIRED and await complete(database, inbox, new)
+    assert await rows_by_generation(database) == {"before": [0], "running": [0], "after": [1]}
+
+
+async def test_one_key_is_one_row_under_concurrent_claims_and_rotations(database: Database) -> None:
+    """Claims of the same keys from many tasks (each key claimed by all at once, on both paths) while the
+    generation rotates as fast as it can: every key is acquired once and has one row, though its claims
+    straddled rotations and the keys ended up in many partitions."""
+    clock = Clock()
+    await partition(database, clock)
+    inbox = store(database, clock)
+    names = [f"k{i:04d}" for i in range(400)]
+    acquired: dict[str, int] = dict.fromkeys(names, 0)
+    rotations = 0
+    running = True
+
+    async def rotate() -> None:
+        nonlocal rotations
+        async with (await database.pool()).acquire() as conn:
+            while running:
+                await partitions.make_ahead(conn)
+                rotations += await partitions.rotate(conn, clock()) is not None
+                await asyncio.sleep(0.002)
+
+    async def claimer(seed: int) -> None:
+        for name in names:  # all in the same order: each key is claimed by all of them at once
+            if seed % 2:
+                found = await claim(database, inbox, name)
+                if found.status is ClaimStatus.ACQUIRED:
+                    acquired[name] += 1
+                    assert await complete(database, inbox, found)
+            elif (await claim_completed(database, inbox, name)).status is ClaimStatus.ACQUIRED:
+                acquired[name] += 1
+
+    rotator = asyncio.create_task(rotate())
+    try:
+        await asyncio.gather(*(claimer(seed) for seed in range(8)))
+    finally:
+        running = False
+        await rotator
+    assert [name for name, times in acquired.items() if times != 1] == []
+    rows = await rows_by_generation(database)
+    assert [name for name in names if len(rows[name]) != 1] == []
+    assert rotations >= 10, rotations
+    assert len({generations[0] for generations in rows.values()}) >= 5  # the keys straddle partitions
+
+
+async def test_a_key_is_known_for_its_retention_then_late_until_its_partition_leaves(database: Database) -> None:
+    clock = Clock()
+    await partition(database, clock)
+    inbox = store(database, clock)
+    first = await claim(database, inbox, "key")
+    assert await complete(database, inbox, first)
+    clock.now += PARTITION
+    await inbox.sweep()  # rotates: the key's generation has ended
+    async with (await database.pool()).acquire() as conn:
+        ended = await conn.fetchval("SELECT ended_at FROM inbox_generations WHERE generation = 1")
+    assert ended == clock.now
+    clock.now = datetime(2026, 1, 1, tzinfo=UTC) + RETENTION - timedelta(seconds=1)
+    assert (await claim(database, inbox, "key")).status is ClaimStatus.COMPLETED  # within retention: a duplicate
+    clock.now += timedelta(seconds=2)
+    assert (await claim(database, inbox, "key")).status is ClaimStatus.SWEPT  # past it: late
+    async with database.connect() as ex:
+        assert await inbox.swept(ex, "c", [digest("key")])
+    clock.now = ended + RETENTION + TOMBSTONE - timedelta(seconds=1)
+    assert await inbox.sweep() == 0  # its partition may not leave yet
+    assert (await claim(database, inbox, "key")).status is ClaimStatus.SWEPT
+    clock.now += timedelta(seconds=2)
+    assert await inbox.sweep() == 1  # it leaves, with its one row
+    assert 1 not in await _attached(database)
+    assert (await claim(database, inbox, "key")).status is ClaimStatus.ACQUIRED  # a new key now
+
+
+async def test_a_row_completed_late_moves_on_when_its_partition_leaves(database: Database) -> None:
+    """A lease renewed past its generation's time, then completed: its row is moved into the current
+    generation when its own leaves, and is known for its retention from the completion."""
+    clock = Clock()
+    await partition(database, clock)
+    inbox = store(database, clock)
+    held = await claim(database, inbox, "slow")
+    for _ in range(int((RETENTION + TOMBSTONE + PARTITION) / timedelta(seconds=20)) + 1):
+        clock.now += timedelta(seconds=20)  # the handler runs long, renewing its lease
+        async with database.connect() as ex:
+            assert await inbox.renew(ex, "c", held.digest, held.lease_token or "")
+        if clock.now.second == 0:
+            await inbox.sweep()
+    assert 1 not in await _attached(database)  # its first generation left...
+    assert await complete(database, inbox, held)  # ...but the row is there, moved on, lease and all
+    clock.now += RETENTION - timedelta(seconds=1)
+    await inbox.sweep()
+    assert (await claim(database, inbox, "slow")).status is ClaimStatus.COMPLETED
+    assert len((await rows_by_generation(database))["slow"]) == 1
+
+
+async def test_a_partition_leaves_under_a_long_transaction_without_holding_claims(database: Database,
+                                                                                 url: str) -> None:
+    """A REPEATABLE READ transaction that read the inbox holds back the partition's detach; claims and
+    completions go on meanwhile, and the partition leaves once the transaction ends."""
+    clock = Clock()
+    await partition(database, clock)
+    inbox = store(database, clock)
+    assert await complete(database, inbox, await claim(database, inbox, "old"))
+    clock.now += PARTITION
+    await inbox.sweep()
+    report = await asyncpg.connect(url.replace("postgresql+asyncpg://", "postgresql://"))
+    try:
+        transaction = report.transaction(isolation="repeatable_read")
+        await transaction.start()
+        assert await report.fetchval("SELECT count(*) FROM inbox") == 1
+        clock.now += RETENTION + TOMBSTONE + PARTITION
+        sweep = asyncio.create_task(inbox.sweep())
+        for i in range(20):
+            found = await asyncio.wait_for(claim(database, inbox, f"new{i}"), 5)
+            assert found.status is ClaimStatus.ACQUIRED
+            assert await asyncio.wait_for(complete(database, inbox, found), 5)
+        await asyncio.sleep(0.5)
+        assert not sweep.done()  # the detach waits for the report
+        await transaction.rollback()
+        assert await asyncio.wait_for(sweep, 30) == 1
+    finally:
+        await report.close()
+    assert 1 not in await _attached(database)
+
+
+async def test_what_the_partitioned_inbox_refuses(database: Database, url: str) -> None:
+    clock = Clock()
+    await partition(database, clock)
+    inbox = store(database, clock)
+    conn = await asyncpg.connect(url.replace("postgresql+asyncpg://", "postgresql://"))
+    try:
+        async with conn.transaction(isolation="repeatable_read"):
+            with pytest.raises(asyncpg.FeatureNotSupportedError, match="READ COMMITTED"):
+                await conn.execute(f"SELECT {partitions.GENERATION}")
+    finally:
+        await conn.close()
+    async with database.transaction() as ex:
+        with pytest.raises(NotImplementedError, match="idempotent endpoints"):
+            await inbox.hold(ex, "c", [digest("k")], "fp")
+    with pytest.raises(ValueError, match="asyncpg"):
+        sqlite = Database(create_engine("sqlite+aiosqlite:///:memory:"))
+        store(sqlite, clock)
+
+
+async def _attached(database: Database) -> list[int]:
+    async with (await database.pool()).acquire() as conn:
+        return await partitions.attached(conn)
