@@ -37,6 +37,10 @@ verdicts the issue names: every minute's claim p99 within 1.5x of the first minu
 after the first retention period (the last five minutes grow by at most 5%); and rows swept at least
 rows inserted, over the minutes after the first retention period.
 
+``CK_BENCH_SOAK_LAYOUT=partitioned`` runs it on the partitioned inbox (``consumer_kit.store.partitions``), made
+from the migrated plain table, with generations of ``CK_BENCH_SOAK_PARTITION_SECONDS`` (60), rotated by the
+sweep; its sweep drops whole generations instead of deleting rows.
+
 Run: ``python -m bench soak`` (``CK_BENCH_SOAK_MINUTES``, 20 by default).
 """
 
@@ -56,7 +60,7 @@ import asyncpg
 from bench.common import bench_server, migrated_database
 from consumer_kit import Settings
 from consumer_kit.keys import KeyDigester
-from consumer_kit.store import Database, Inbox, create_engine
+from consumer_kit.store import Database, Inbox, create_engine, partitions, utcnow
 from consumer_kit.store.pace import Pace
 
 MINUTES = int(os.environ.get("CK_BENCH_SOAK_MINUTES", "20"))
@@ -66,6 +70,8 @@ RETENTION = int(os.environ.get("CK_BENCH_SOAK_RETENTION", "120"))
 TOMBSTONE = int(os.environ.get("CK_BENCH_SOAK_TOMBSTONE", "240"))
 CONCURRENCY = int(os.environ.get("CK_BENCH_SOAK_CONCURRENCY", "32"))
 SERVER = os.environ.get("CK_BENCH_SOAK_SERVER", "own")
+LAYOUT = os.environ.get("CK_BENCH_SOAK_LAYOUT", "plain")
+PARTITION_SECONDS = float(os.environ.get("CK_BENCH_SOAK_PARTITION_SECONDS", "60"))
 SEED_PEAK = 2000
 HEADROOM = 0.85
 CONSUMER = "soak"
@@ -206,6 +212,8 @@ class Autovacuum:
         row = await conn.fetchrow(
             "SELECT c.reltuples, c.reloptions, s.n_dead_tup, s.n_ins_since_vacuum, s.n_mod_since_analyze"
             " FROM pg_class c JOIN pg_stat_user_tables s ON s.relid = c.oid WHERE c.relname = $1", table)
+        if row is None:  # the partitioned inbox's parent: its partitions are autovacuum's
+            return
         own = dict(option.split("=", 1) for option in row["reloptions"] or [])
 
         def setting(name: str) -> float:
@@ -252,11 +260,37 @@ class _Defaults:
         self.inbox_lease_seconds = float(fields["inbox_lease_seconds"].default)
 
 
+# The partitioned inbox's partitions count as the inbox (its parent holds no rows); counters are summed
+# over the partitions there now, so the HOT share is taken from those there in both minutes.
 _TABLES = """
 SELECT relname, n_live_tup, n_dead_tup, autovacuum_count, n_tup_upd, n_tup_hot_upd, pg_relation_size(relid) AS heap,
        pg_indexes_size(relid) AS indexes
-FROM pg_stat_user_tables WHERE relname IN ('inbox', 'inbox_tombstones')
+FROM pg_stat_user_tables WHERE relname IN ('inbox', 'inbox_tombstones') OR relname ~ '^inbox_p[0-9]+$'
 """
+_SUMMED = ("n_live_tup", "n_dead_tup", "autovacuum_count", "heap", "indexes")
+
+
+def _tables(rows: list[asyncpg.Record]) -> dict[str, dict[str, int]]:
+    """``inbox`` (its partitions summed) and ``inbox_tombstones``."""
+    tables: dict[str, dict[str, int]] = {name: dict.fromkeys(_SUMMED, 0) for name in ("inbox", "inbox_tombstones")}
+    for row in rows:
+        into = tables["inbox_tombstones" if row["relname"] == "inbox_tombstones" else "inbox"]
+        for name in _SUMMED:
+            into[name] += int(row[name])
+    return tables
+
+
+def _updates(rows: list[asyncpg.Record]) -> dict[str, tuple[int, int]]:
+    """The inbox's (or each partition's) updates and heap-only ones so far."""
+    return {r["relname"]: (int(r["n_tup_upd"]), int(r["n_tup_hot_upd"])) for r in rows
+            if r["relname"] != "inbox_tombstones"}
+
+
+def _hot_share(before: dict[str, tuple[int, int]], now: dict[str, tuple[int, int]]) -> float:
+    common = now.keys() & before.keys()
+    updates = sum(now[n][0] - before[n][0] for n in common) + sum(now[n][0] for n in now.keys() - common)
+    hot = sum(now[n][1] - before[n][1] for n in common) + sum(now[n][1] for n in now.keys() - common)
+    return hot / max(1, updates)
 
 
 _CHECKPOINTS = "SELECT checkpoints_timed + checkpoints_req FROM pg_stat_bgwriter"
@@ -275,9 +309,11 @@ async def main() -> bool:
     async with bench_server(SERVER) as admin_url, migrated_database(admin_url) as dsn:
         engine = create_engine(dsn.replace("postgresql://", "postgresql+asyncpg://"), pool_size=CONCURRENCY)
         database = Database(engine)
-        inbox = Inbox(database, lease_seconds=settings.inbox_lease_seconds, retention_seconds=RETENTION,
-                      tombstone_seconds=TOMBSTONE)
         stats = await asyncpg.connect(dsn)
+        if LAYOUT == "partitioned":
+            await partitions.partition(stats, seconds=PARTITION_SECONDS, now=utcnow())
+        inbox = Inbox(database, lease_seconds=settings.inbox_lease_seconds, retention_seconds=RETENTION,
+                      tombstone_seconds=TOMBSTONE, partitioned=LAYOUT == "partitioned")
         await stats.execute("CREATE TABLE soak_report AS SELECT i AS id FROM generate_series(1, 1000) i")
         load = Load(database, inbox)
         try:
@@ -340,6 +376,9 @@ async def _soak(dsn: str, load: Load, inbox: Inbox, settings: _Defaults, rate: i
     shown = [f"{name} {await stats.fetchval(f'SHOW {name}')}" for name in _SETTINGS]
     where = "the run's own server" if SERVER == "own" else "the machine's server"
     print(f"  {where}: {', '.join(shown)}", flush=True)
+    if inbox.partitioned:
+        print(f"  the partitioned inbox: generations of {PARTITION_SECONDS:g} s (rotated by the sweep), which leave"
+              " whole; its tombstones are its expired rows (the tombs columns count the old table's)", flush=True)
     vacuum = await _autovacuum(stats, dsn)
     if vacuum is not None:
         print("  autovacuum is off on this server: the soak runs VACUUM where autovacuum would (see its docstring)",
@@ -353,13 +392,14 @@ async def _soak(dsn: str, load: Load, inbox: Inbox, settings: _Defaults, rate: i
     if vacuum is not None:
         tasks.append(asyncio.create_task(vacuum.forever()))
     rows: list[Row] = []
-    hot = (0, 0)  # the inbox's updates and heap-only ones, so far
+    hot: dict[str, tuple[int, int]] = {}  # the inbox's updates and heap-only ones, so far
     checkpoints = await stats.fetchval(_CHECKPOINTS)
     try:
         for minute in range(1, MINUTES + 1):
             await asyncio.sleep(max(0.0, began + minute * 60 - time.perf_counter()))
             done, load.minute = load.minute, Minute()
-            tables = {r["relname"]: r for r in await stats.fetch(_TABLES)}
+            seen = await stats.fetch(_TABLES)
+            tables = _tables(seen)
             ibx, tmb = tables["inbox"], tables["inbox_tombstones"]
             claims = sorted(done.claims) or [0.0]
             row = Row(minute, done.started / 60, done.completed / 60, statistics.median(claims),
@@ -368,10 +408,9 @@ async def _soak(dsn: str, load: Load, inbox: Inbox, settings: _Defaults, rate: i
                       done.sweep_seconds,
                       ibx["autovacuum_count"] + tmb["autovacuum_count"] + (vacuum.vacuums if vacuum else 0),
                       await stats.fetchval(_CHECKPOINTS) - checkpoints,
-                      (ibx["n_tup_hot_upd"] - hot[1]) / max(1, ibx["n_tup_upd"] - hot[0]),
-                      long_open=minute - 1 < closes and minute > opens)
+                      _hot_share(hot, _updates(seen)), long_open=minute - 1 < closes and minute > opens)
             rows.append(row)
-            hot = (ibx["n_tup_upd"], ibx["n_tup_hot_upd"])
+            hot = _updates(seen)
             print(row.line(), flush=True)
     finally:
         stop.set()

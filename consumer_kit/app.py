@@ -23,7 +23,16 @@ from consumer_kit.outbox import OutboxRelay, Publisher
 from consumer_kit.pipeline import Batch, Handler, HandlerSpec, Pipeline
 from consumer_kit.settings import Settings
 from consumer_kit.source_store import ScheduleStore, SourceStore
-from consumer_kit.store import DeadLetters, Inbox, Outbox, create_engine, ensure_schema, schema_revisions, utcnow
+from consumer_kit.store import (
+    DeadLetters,
+    Inbox,
+    Outbox,
+    create_engine,
+    ensure_schema,
+    partitions,
+    schema_revisions,
+    utcnow,
+)
 from consumer_kit.store.connections import Database
 from consumer_kit.store.database import AppMigrations
 from consumer_kit.store.inbox import Clock
@@ -235,7 +244,8 @@ class ConsumerApp:
             inbox=Inbox(database, lease_seconds=settings.inbox_lease_seconds,
                         retention_seconds=settings.inbox_retention_seconds, clock=self.clock,
                         tombstone_seconds=settings.inbox_tombstone_seconds
-                        if settings.late_delivery_policy == "park" else 0),
+                        if settings.late_delivery_policy == "park" else 0,
+                        partitioned=settings.inbox_partition_seconds > 0),
             dead_letters=DeadLetters(database, clock=self.clock),
             digester=digester,
             http=self._http,
@@ -281,6 +291,12 @@ class ConsumerApp:
             await engine.dispose()
             raise ConfigurationError("driver='asyncpg' handlers need PostgreSQL on the asyncpg driver; "
                                      f"DATABASE_URL is {engine.dialect.name}+{engine.dialect.driver}")
+        try:
+            await partitions.check_layout(database, settings.inbox_partition_seconds)
+        except BaseException:
+            await database.close()
+            await engine.dispose()
+            raise
         self._engine, self._database = engine, database
         return database
 

@@ -91,6 +91,10 @@ class Settings(BaseSettings):
     inbox_tombstone_seconds: int = Field(
         2_592_000, ge=0, description="How long the sweeper keeps the digest of each inbox row it deletes, so that "
         "a key seen again after its sweep is caught as late (0: none).")
+    inbox_partition_seconds: float = Field(
+        0, ge=0, description="PostgreSQL on asyncpg: the inbox is partitioned into generations of this many seconds "
+        "each, which leave whole once their rows' retention and tombstones are over, instead of the sweeper deleting "
+        "rows (`consumer-kit db partition-inbox` makes the layout; 0: the plain table).")
     idempotent_response_limit_bytes: int = Field(
         262_144, gt=0, description="The largest response an idempotent endpoint stores for its replays (256 KiB, "
         "as COORDINATOR_BODY_LIMIT_BYTES); a larger one is refused (500) and its writes rolled back.")

@@ -43,6 +43,29 @@ async def schema(action: str) -> int:
         await engine.dispose()
 
 
+async def partition_inbox() -> int:
+    """``db partition-inbox``: make the plain inbox the partitioned one (INBOX_PARTITION_SECONDS), its rows kept."""
+    import asyncpg
+    from sqlalchemy.engine import make_url
+
+    from consumer_kit.store import partitions, utcnow
+
+    settings = settings_from_env()
+    url = make_url(settings.database_url)
+    if url.get_backend_name() != "postgresql" or not settings.inbox_partition_seconds:
+        raise ConfigurationError("the partitioned inbox is PostgreSQL's: set DATABASE_URL to it and "
+                                 "INBOX_PARTITION_SECONDS to the length of a generation (say 86400)")
+    conn = await asyncpg.connect(url.set(drivername="postgresql").render_as_string(hide_password=False))
+    try:
+        made = await partitions.partition(conn, seconds=settings.inbox_partition_seconds, now=utcnow())
+        current = await conn.fetchval("SELECT current FROM inbox_rotation")
+    finally:
+        await conn.close()
+    print(f"the inbox {'is now' if made else 'was already'} partitioned: generations of "
+          f"{settings.inbox_partition_seconds:g} s, new keys in generation {current}")
+    return 0
+
+
 def revision(args: argparse.Namespace) -> int:
     """``db revision -m MESSAGE``: a new, empty revision file in APP_MIGRATIONS."""
     from consumer_kit.store import AppMigrations
@@ -64,6 +87,12 @@ async def refuse_missing(settings: Settings) -> None:
         await check_schema(engine)
     finally:
         await engine.dispose()
+
+
+def _partition(_args: argparse.Namespace) -> int:
+    import asyncio
+
+    return asyncio.run(partition_inbox())
 
 
 def _run(action: str) -> Callable[[argparse.Namespace], int]:
@@ -90,6 +119,13 @@ def add_commands(commands: Any, command: Callable[..., argparse.ArgumentParser])
         description="Print DATABASE_URL's schema revision (and the app's); exit 1 when either is not at its head. "
         "It never creates a database.", environment=DATABASE)
     check_command.set_defaults(func=_run("check"))
+    part = command(
+        db_commands, "partition-inbox", help="make the inbox the partitioned one (INBOX_PARTITION_SECONDS)",
+        description="Turn the plain inbox table into the partitioned one (PostgreSQL), its rows kept as its first "
+        "generation. The column and index are added online; the last step renames the table in one short "
+        "transaction, tried until it gets its lock. Stop the workers for it, then start them with "
+        "INBOX_PARTITION_SECONDS set.", environment=(*DATABASE, "inbox_partition_seconds"))
+    part.set_defaults(func=_partition)
     new = command(db_commands, "revision", help="write a new, empty revision file in APP_MIGRATIONS",
                   description="Write a new, empty Alembic revision file in APP_MIGRATIONS, after the newest one, "
                   "and print its path.", environment=("app_migrations",))

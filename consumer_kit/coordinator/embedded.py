@@ -217,7 +217,8 @@ class _SessionStep:
 
     def __init__(self, coordinator: EmbeddedCoordinator) -> None:
         self.coordinator = coordinator
-        self._rides = coordinator.database.can.writes_in_claim
+        # Not on the partitioned inbox, whose claim carries no creation (yet): open() makes it on its own.
+        self._rides = coordinator.database.can.writes_in_claim and not coordinator.settings.inbox_partition_seconds
 
     def prepare(self, request: SessionRequest, *, idempotency_key: str,
                 request_fingerprint: str | None = None) -> Creation | None:

@@ -29,7 +29,7 @@ class Statements:
 PLAIN = Statements(sql.LOOKUP, sql.LOOKUP_MANY, sql.TOMBSTONE, sql.RENEW, sql.FORGET_TOMBSTONE)
 PARTITIONED = Statements(partitions.LOOKUP, partitions.LOOKUP_MANY, partitions.TOMBSTONE, partitions.RENEW,
                          partitions.FORGET_TOMBSTONE)
-STALE_TRIES = 10
+STALE_TRIES = 50
 """How many times a partitioned statement runs while the inbox rotates under it (once is the rule: see
 :mod:`~consumer_kit.store.partitions`)."""
 

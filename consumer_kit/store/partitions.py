@@ -48,10 +48,13 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
+from consumer_kit.errors import ConfigurationError
 from consumer_kit.store.sql import Statement
 
 if TYPE_CHECKING:
     import asyncpg
+
+    from consumer_kit.store.connections import Database
 
 log = logging.getLogger("consumer_kit.store.partitions")
 
@@ -103,6 +106,26 @@ async def layout(conn: asyncpg.Connection) -> str:
     kind = await conn.fetchval("SELECT c.relkind::text FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace"
                                " WHERE c.relname = 'inbox' AND n.nspname = current_schema()")
     return {None: "missing", "p": "partitioned"}.get(kind, "plain")
+
+
+async def check_layout(database: Database, seconds: float) -> None:
+    """Refuse, in one line, a database whose inbox is not in the layout ``INBOX_PARTITION_SECONDS`` asks for
+    (``seconds``: 0 for the plain table); on the partitioned one, keep its generations' length."""
+    if seconds and not database.asyncpg:
+        raise ConfigurationError("INBOX_PARTITION_SECONDS needs PostgreSQL on asyncpg (postgresql+asyncpg://);"
+                                 " set it to 0 here")
+    if not database.asyncpg:
+        return
+    async with (await database.pool()).acquire() as conn:
+        state = await layout(conn)
+        if seconds and state == "plain":
+            raise ConfigurationError("INBOX_PARTITION_SECONDS is set but the inbox is the plain table: run"
+                                     " `consumer-kit db partition-inbox` first (or set it to 0)")
+        if not seconds and state == "partitioned":
+            raise ConfigurationError("the inbox is partitioned: set INBOX_PARTITION_SECONDS (the length of its"
+                                     " generations, in seconds)")
+        if seconds:
+            await conn.execute("UPDATE inbox_rotation SET seconds = $1 WHERE seconds <> $1", seconds)
 
 
 async def partition(conn: asyncpg.Connection, *, seconds: float, now: datetime) -> bool:

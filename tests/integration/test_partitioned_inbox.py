@@ -10,9 +10,13 @@ from datetime import UTC, datetime, timedelta
 
 import asyncpg
 import pytest
+from sqlalchemy import text
 
+from consumer_kit import ConfigurationError, ConsumerApp, Context, Outcome
+from consumer_kit.cli import main
 from consumer_kit.store import Claim, ClaimStatus, Database, Inbox, create_engine, partitions
-from tests.conftest import migrated_database
+from consumer_kit.testing import InMemorySource
+from tests.conftest import TEST_HMAC_KEY, make_settings, migrated_database
 
 pytestmark = pytest.mark.postgres
 
@@ -125,7 +129,7 @@ async def test_one_key_is_one_row_under_concurrent_claims_and_rotations(database
             while running:
                 await partitions.make_ahead(conn)
                 rotations += await partitions.rotate(conn, clock()) is not None
-                await asyncio.sleep(0.002)
+                await asyncio.sleep(0.005)
 
     async def claimer(seed: int) -> None:
         for name in names:  # all in the same order: each key is claimed by all of them at once
@@ -249,3 +253,51 @@ async def test_what_the_partitioned_inbox_refuses(database: Database, url: str) 
 async def _attached(database: Database) -> list[int]:
     async with (await database.pool()).acquire() as conn:
         return await partitions.attached(conn)
+
+
+async def test_a_worker_on_the_partitioned_inbox(url: str, monkeypatch: pytest.MonkeyPatch,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """Refused in one line on the plain table; `consumer-kit db partition-inbox` makes the layout; then a
+    worker's deliveries, on the default path and in one transaction, and their repeats, and its sweep rotating
+    the generation. An app without the setting is refused on the partitioned table."""
+    settings = make_settings(url, inbox_partition_seconds=600)
+    with pytest.raises(ConfigurationError, match="db partition-inbox"):
+        async with ConsumerApp(settings).running():
+            pass
+    monkeypatch.setenv("DATABASE_URL", url)
+    monkeypatch.setenv("INBOX_PARTITION_SECONDS", "600")
+    monkeypatch.setenv("IDEMPOTENCY_HMAC_KEY", TEST_HMAC_KEY)
+    assert await asyncio.to_thread(main, ["db", "partition-inbox"]) == 0
+    assert "the inbox is now partitioned: generations of 600 s, new keys in generation 1" in capsys.readouterr().out
+    app = ConsumerApp(settings)
+    ran: list[str] = []
+    two, one = InMemorySource(namespace="two", version=1), InMemorySource(namespace="one", version=1)
+
+    @app.handler(two, name="two")
+    async def leased(ctx: Context) -> None:
+        ran.append(f"two {ctx.delivery.id}")
+
+    @app.handler(one, name="one", single_transaction=True)
+    async def single(ctx: Context) -> None:
+        ran.append(f"one {ctx.delivery.id}")
+
+    async with app.running():
+        for source in (two, one):
+            assert (await source.deliver(id="m-1", body=b"x")).outcome is Outcome.PROCESSED
+            assert (await source.deliver(id="m-1", body=b"x")).outcome is Outcome.DUPLICATE
+            assert (await source.deliver(id="m-1", body=b"y")).outcome is Outcome.CONFLICT
+        async with app.engine.begin() as conn:
+            await conn.execute(text("UPDATE inbox_generations SET started_at = started_at - interval '1 hour'"))
+        await app.sweep()  # the generation has taken keys for longer than its 600 s: the next one takes over
+        assert (await two.deliver(id="m-2", body=b"x")).outcome is Outcome.PROCESSED
+        assert (await two.deliver(id="m-1", body=b"x")).outcome is Outcome.DUPLICATE
+    assert ran == ["two m-1", "one m-1", "two m-2"]
+    database = Database(create_engine(url))
+    try:  # m-1 of both consumers in the first generation, m-2 in the next
+        assert sorted(g for gens in (await rows_by_generation(database)).values() for g in gens) == [1, 1, 2]
+    finally:
+        await database.close()
+        await database.engine.dispose()
+    with pytest.raises(ConfigurationError, match="set INBOX_PARTITION_SECONDS"):
+        async with ConsumerApp(make_settings(url, inbox_partition_seconds=0)).running():
+            pass
