@@ -23,19 +23,10 @@ from consumer_kit.outbox import OutboxRelay, Publisher
 from consumer_kit.pipeline import Batch, Handler, HandlerSpec, Pipeline
 from consumer_kit.settings import Settings
 from consumer_kit.source_store import ScheduleStore, SourceStore
-from consumer_kit.store import (
-    DeadLetters,
-    Inbox,
-    Outbox,
-    create_engine,
-    ensure_schema,
-    partitions,
-    schema_revisions,
-    utcnow,
-)
+from consumer_kit.store import DeadLetters, Inbox, Outbox, create_engine, ensure_schema, partitions, schema_revisions
 from consumer_kit.store.connections import Database
 from consumer_kit.store.database import AppMigrations
-from consumer_kit.store.inbox import Clock
+from consumer_kit.store.inbox import Clock, utcnow
 from consumer_kit.store.pace import Pace
 
 if TYPE_CHECKING:
@@ -287,12 +278,12 @@ class ConsumerApp:
             await engine.dispose()
             raise
         database = Database(engine)
-        if any(spec.driver == "asyncpg" for spec in self.specs) and not database.asyncpg:
-            await engine.dispose()
-            raise ConfigurationError("driver='asyncpg' handlers need PostgreSQL on the asyncpg driver; "
-                                     f"DATABASE_URL is {engine.dialect.name}+{engine.dialect.driver}")
         try:
-            await partitions.check_layout(database, settings.inbox_partition_seconds)
+            if any(spec.driver == "asyncpg" for spec in self.specs) and not database.asyncpg:
+                raise ConfigurationError("driver='asyncpg' handlers need PostgreSQL on the asyncpg driver; "
+                                         f"DATABASE_URL is {engine.dialect.name}+{engine.dialect.driver}")
+            await partitions.check_layout(database, settings.inbox_partition_seconds,
+                                          batched=any(spec.batch for spec in self.specs))
         except BaseException:
             await database.close()
             await engine.dispose()

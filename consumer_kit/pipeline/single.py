@@ -66,7 +66,7 @@ class SinglePath:
             read_first = False
         prepared: list[StagedWrites] = []  # a staged handler's writes, when it ran already
         if spec.staged and not read_first and stores.database.asyncpg and not spec.uses_db \
-                and len(work.digests) == 1:
+                and len(work.digests) == 1 and not stores.inbox.partitioned:
             result = await self._at_once(work, prepared)
             if result is not None:
                 self._duplicates.count(spec.consumer, taken=result.outcome in TAKEN)

@@ -207,7 +207,13 @@ class Partitioned(Postgres):
             raise NotImplementedError(NOT_YET.format(what="a coordinator session carried by the claim"))
         # Run again for a deadlock or a row a leaving partition moved (SQLSTATE 40P01, 40001).
         row = await rerun_on_conflict(_guarded(ex), partitions.CLAIM, params)
-        return _claimed(row, digest, fingerprint, params, None)
+        claimed = _claimed(row, digest, fingerprint, params, None)
+        if claimed is not None or row["inbox_state"] is None or row["tombstoned"]:
+            return claimed
+        # A started row of this request, its lease free: taken over where it is (or by another claim first).
+        taken = await rerun_on_conflict(ex.fetch_one, partitions.TAKEOVER, params)
+        return None if taken is None else _acquired(digest, taken["attempts"], params, None,
+                                                    took_over=row["inbox_locked_until"] is not None)
 
     async def insert_one(self, ex: Executor, params: Mapping[str, Any]) -> bool:
         return int((await _guarded(ex)(partitions.INSERT_COMPLETED, params))["inserted"]) == 1

@@ -12,8 +12,9 @@ import asyncpg
 import pytest
 from sqlalchemy import text
 
-from consumer_kit import ConfigurationError, ConsumerApp, Context, Outcome
+from consumer_kit import Batch, ConfigurationError, ConsumerApp, Context, Outcome
 from consumer_kit.cli import main
+from consumer_kit.http.idempotency import IdempotencyKey
 from consumer_kit.store import Claim, ClaimStatus, Database, Inbox, create_engine, partitions
 from consumer_kit.testing import InMemorySource
 from tests.conftest import TEST_HMAC_KEY, make_settings, migrated_database
@@ -298,6 +299,36 @@ async def test_a_worker_on_the_partitioned_inbox(url: str, monkeypatch: pytest.M
     finally:
         await database.close()
         await database.engine.dispose()
+    with pytest.raises(ConfigurationError, match="idempotent endpoints do not run on the partitioned inbox"):
+        IdempotencyKey(app, namespace="orders", version=1)
+    batched = ConsumerApp(settings)
+
+    @batched.handler(InMemorySource(namespace="b", version=1), name="b", single_transaction=True,
+                     batch=Batch(max_size=8, max_wait_ms=5))
+    async def each(ctx: Context) -> None:
+        ran.append("never")
+
+    with pytest.raises(ConfigurationError, match="batch= handlers do not run on the partitioned inbox"):
+        async with batched.running():
+            pass
     with pytest.raises(ConfigurationError, match="set INBOX_PARTITION_SECONDS"):
         async with ConsumerApp(make_settings(url, inbox_partition_seconds=0)).running():
             pass
+
+
+async def test_a_lapsed_lease_is_taken_over_where_its_row_is(database: Database) -> None:
+    """A started row whose lease ran out, in a generation that has ended: the next claim takes it over in
+    place (attempts 2, still one row), and the attempt that lost it cannot complete."""
+    clock = Clock()
+    await partition(database, clock)
+    inbox = store(database, clock)
+    lost = await claim(database, inbox, "lapsed")
+    clock.now += PARTITION
+    await inbox.sweep()  # a new generation takes the new keys
+    clock.now += timedelta(seconds=31)  # past the 30 s lease
+    again = await claim(database, inbox, "lapsed")
+    assert (again.status, again.attempts, again.took_over) == (ClaimStatus.ACQUIRED, 2, True)
+    assert not await complete(database, inbox, lost)
+    assert await complete(database, inbox, again)
+    assert (await rows_by_generation(database))["lapsed"] == [1]
+    assert (await claim(database, inbox, "lapsed", fp="other")).status is ClaimStatus.CONFLICT

@@ -42,7 +42,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 from consumer_kit import metrics
-from consumer_kit.errors import InvalidKey
+from consumer_kit.errors import ConfigurationError, InvalidKey
 from consumer_kit.http import DEFAULT_BODY_LIMIT
 from consumer_kit.http.idempotency.deferred import StagedOperation
 from consumer_kit.http.idempotency.held import IdempotentContext, Operation, end_span, end_unwritten
@@ -122,6 +122,9 @@ class KeyRules:
             raise ValueError(f"after_retention must be 'refuse' or 'run', not {after_retention!r}")
         if driver not in ("sqlalchemy", "asyncpg"):
             raise ValueError(f"driver must be 'sqlalchemy' or 'asyncpg', not {driver!r}")
+        if app.settings.inbox_partition_seconds:
+            raise ConfigurationError("idempotent endpoints do not run on the partitioned inbox yet"
+                                     " (INBOX_PARTITION_SECONDS): use the plain table for them")
         self.app = app
         self.namespace = namespace
         self.version = version
