@@ -61,8 +61,9 @@ async def partition_inbox() -> int:
         current = await conn.fetchval("SELECT current FROM inbox_rotation")
     finally:
         await conn.close()
+    seconds = settings.inbox_partition_seconds
     print(f"the inbox {'is now' if made else 'was already'} partitioned: generations of "
-          f"{settings.inbox_partition_seconds:g} s, new keys in generation {current}")
+          f"{int(seconds) if seconds.is_integer() else seconds} s, new keys in generation {current}")
     return 0
 
 

@@ -16,7 +16,7 @@ EXPECTED: dict[str, dict[str, int]] = {
     "docs/getting-started.md": dict(found=10, run=4, written=1, checked=0, outputs=3, shown=0, not_run=2),
     "docs/handlers.md": dict(found=24, run=13, written=3, checked=0, outputs=8, shown=0, not_run=0),
     "docs/idempotent-endpoints.md": dict(found=25, run=12, written=2, checked=0, outputs=11, shown=0, not_run=0),
-    "docs/inbox-outbox.md": dict(found=4, run=2, written=0, checked=0, outputs=2, shown=0, not_run=0),
+    "docs/inbox-outbox.md": dict(found=6, run=3, written=0, checked=0, outputs=3, shown=0, not_run=0),
     "docs/index.md": dict(found=0, run=0, written=0, checked=0, outputs=0, shown=0, not_run=0),
     "docs/operating/cli.md": dict(found=28, run=13, written=4, checked=0, outputs=11, shown=0, not_run=0),
     "docs/operating/compose.md": dict(found=3, run=1, written=0, checked=0, outputs=0, shown=0, not_run=2),
@@ -37,4 +37,4 @@ EXPECTED: dict[str, dict[str, int]] = {
     "docs/testing.md": dict(found=9, run=3, written=3, checked=0, outputs=3, shown=0, not_run=0),
 }
 
-TOTAL = dict(found=288, run=138, written=39, checked=4, outputs=97, shown=4, not_run=6)
+TOTAL = dict(found=290, run=139, written=39, checked=4, outputs=98, shown=4, not_run=6)

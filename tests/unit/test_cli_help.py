@@ -69,6 +69,7 @@ def test_every_command_lists_the_environment_it_reads_from_settings_fields() -> 
     commands = leaves(build_parser())
     assert {p.prog for p in commands} == {
         "consumer-kit run", "consumer-kit db upgrade", "consumer-kit db check", "consumer-kit db revision",
+        "consumer-kit db partition-inbox",
         "consumer-kit coordinator serve", "consumer-kit outbox relay", "consumer-kit demo",
         "consumer-kit parked list", "consumer-kit parked groups", "consumer-kit parked show",
         "consumer-kit parked replay", "consumer-kit parked discard", "consumer-kit schedule run",
