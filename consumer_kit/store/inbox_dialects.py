@@ -92,7 +92,18 @@ class Dialect(Protocol):
         """One batch of expired tombstones deleted, as :meth:`sweep`."""
 
 
-class Postgres:
+class _PlainKeys:
+    """A key's row on the plain table, which keeps it unique by itself (its primary key)."""
+
+    async def insert_one(self, ex: Executor, params: Mapping[str, Any]) -> bool:
+        return await ex.execute(sql.INSERT_COMPLETED, params) == 1
+
+    async def record_failure(self, ex: Executor, params: Mapping[str, Any]) -> int | None:
+        row = await ex.fetch_one(sql.RECORD_FAILURE, params)
+        return None if row is None else int(row["attempts"])
+
+
+class Postgres(_PlainKeys):
     """One statement an operation: the claim tests the row and its tombstone itself, a batch is
     written and read in one statement each, a session's creation and ending ride on the claim and the
     completion (data-modifying CTEs)."""
@@ -116,13 +127,6 @@ class Postgres:
             "namespaces": [k.namespace for k in keys], "versions": [k.version for k in keys],
             "fingerprints": [k.fingerprint for k in keys]})}
 
-    async def insert_one(self, ex: Executor, params: Mapping[str, Any]) -> bool:
-        return await ex.execute(sql.INSERT_COMPLETED, params) == 1
-
-    async def record_failure(self, ex: Executor, params: Mapping[str, Any]) -> int | None:
-        row = await ex.fetch_one(sql.RECORD_FAILURE, params)
-        return None if row is None else int(row["attempts"])
-
     async def rows(self, ex: Executor, consumer: str, digests: Sequence[str]) -> dict[str, Row]:
         return {row["key_digest"]: row for row in await ex.fetch_all(
             sql.LOOKUP_MANY, {"consumer": consumer, "key_digests": list(digests)})}
@@ -142,7 +146,7 @@ class Postgres:
         return int(row["swept"]), row["newest"]
 
 
-class Sqlite:
+class Sqlite(_PlainKeys):
     """One writer, no data-modifying CTEs: the claim reads first and then takes the row; a batch is
     a statement a key in one transaction; a sweep selects, keeps tombstones and deletes."""
 
@@ -163,13 +167,6 @@ class Sqlite:
                     "version": k.version, "fingerprint": k.fingerprint}) == 1:
                 inserted.add(k.digest)
         return inserted
-
-    async def insert_one(self, ex: Executor, params: Mapping[str, Any]) -> bool:
-        return await ex.execute(sql.INSERT_COMPLETED, params) == 1
-
-    async def record_failure(self, ex: Executor, params: Mapping[str, Any]) -> int | None:
-        row = await ex.fetch_one(sql.RECORD_FAILURE, params)
-        return None if row is None else int(row["attempts"])
 
     async def rows(self, ex: Executor, consumer: str, digests: Sequence[str]) -> dict[str, Row]:
         found = {}

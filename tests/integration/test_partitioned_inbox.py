@@ -17,6 +17,7 @@ from consumer_kit.cli import main
 from consumer_kit.http.idempotency import IdempotencyKey
 from consumer_kit.store import Claim, ClaimStatus, Database, Inbox, create_engine, partitions
 from consumer_kit.testing import InMemorySource
+from tests.clock import Clock
 from tests.conftest import TEST_HMAC_KEY, make_settings, migrated_database
 
 pytestmark = pytest.mark.postgres
@@ -24,14 +25,6 @@ pytestmark = pytest.mark.postgres
 RETENTION = timedelta(hours=1)
 TOMBSTONE = timedelta(hours=2)
 PARTITION = timedelta(minutes=10)
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = datetime(2026, 1, 1, tzinfo=UTC)
-
-    def __call__(self) -> datetime:
-        return self.now
 
 
 @pytest.fixture

@@ -30,16 +30,9 @@ from consumer_kit.store.pace import Pace
 from consumer_kit.store.receipts import Creation, ReceiptStore, Scope
 from consumer_kit.store.sql import Statement
 from consumer_kit.testing import InMemorySource
+from tests.clock import Clock
 from tests.conftest import TEST_HMAC_KEY, make_settings, run_in_thread
 from tests.integration.deadlocks import deadlocked
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = datetime(2026, 1, 1, tzinfo=UTC)
-
-    def __call__(self) -> datetime:
-        return self.now
 
 
 @pytest.fixture
