@@ -23,6 +23,8 @@ import re
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
+from consumer_kit.errors import ConfigurationError
+
 if TYPE_CHECKING:
     from consumer_kit.store.executor import Executor
     from consumer_kit.store.inbox import Inbox
@@ -76,7 +78,7 @@ async def write_at_once(ex: Executor, inbox: Inbox, consumer: str, digest: str, 
     import asyncpg
 
     if inbox.partitioned:
-        raise NotImplementedError("the partitioned inbox takes no key in a staged statement: the transaction path")
+        raise ConfigurationError("the partitioned inbox takes no key in a staged statement: the transaction path")
     driver = ex.driver
     assert driver is not None, "PostgreSQL on asyncpg only"
     now = inbox.clock()

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from consumer_kit.errors import ConfigurationError
 from consumer_kit.store import partitions, sql
 from consumer_kit.store.claims import BatchKey, Claim, ClaimStatus, Clock, claimable, utcnow, verdict
 from consumer_kit.store.connections import Database
@@ -194,7 +195,7 @@ class Inbox:
         for a tombstone, and ``IN_PROGRESS`` while another transaction holds it (PostgreSQL: the key's
         advisory lock, not waited for; on SQLite the one writer made the others wait at ``BEGIN``)."""
         if self.partitioned:
-            raise NotImplementedError(NOT_YET.format(what="idempotent endpoints"))
+            raise ConfigurationError(NOT_YET.format(what="idempotent endpoints"))
         existing: Row | None = None
         swept = False
         rest = digests

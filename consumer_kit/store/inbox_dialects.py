@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Protocol
 
+from consumer_kit.errors import ConfigurationError
 from consumer_kit.store import partitions, sql
 from consumer_kit.store.claims import BatchKey, Claim, ClaimStatus, claimable, verdict
 from consumer_kit.store.executor import Executor, Row, rerun_on_conflict
@@ -201,7 +202,7 @@ class Partitioned(Postgres):
     async def claim(self, ex: Executor, digest: str, fingerprint: str, params: Mapping[str, Any],
                     creation: Creation | None, *, expired: bool) -> Claim | None:
         if creation is not None:
-            raise NotImplementedError(NOT_YET.format(what="a coordinator session carried by the claim"))
+            raise ConfigurationError(NOT_YET.format(what="a coordinator session carried by the claim"))
         # Run again for a deadlock or a row a leaving partition moved (SQLSTATE 40P01, 40001).
         row = await rerun_on_conflict(_guarded(ex), partitions.CLAIM, params)
         claimed = _claimed(row, digest, fingerprint, params, None)
@@ -221,7 +222,7 @@ class Partitioned(Postgres):
 
     async def insert_completed(self, ex: Executor, consumer: str, keys: Sequence[BatchKey],
                                params: Mapping[str, Any]) -> set[str]:
-        raise NotImplementedError(NOT_YET.format(what="batches"))
+        raise ConfigurationError(NOT_YET.format(what="batches"))
 
     async def sweep(self, ex: Executor, params: Mapping[str, Any]) -> tuple[int, datetime | None]:
         raise AssertionError("the partitioned inbox is swept by partitions.maintain")

@@ -237,7 +237,7 @@ async def test_what_the_partitioned_inbox_refuses(database: Database, url: str) 
     finally:
         await conn.close()
     async with database.transaction() as ex:
-        with pytest.raises(NotImplementedError, match="idempotent endpoints"):
+        with pytest.raises(ConfigurationError, match="idempotent endpoints"):
             await inbox.hold(ex, "c", [digest("k")], "fp")
     with pytest.raises(ValueError, match="asyncpg"):
         sqlite = Database(create_engine("sqlite+aiosqlite:///:memory:"))
@@ -325,3 +325,49 @@ async def test_a_lapsed_lease_is_taken_over_where_its_row_is(database: Database)
     assert await complete(database, inbox, again)
     assert (await rows_by_generation(database))["lapsed"] == [1]
     assert (await claim(database, inbox, "lapsed", fp="other")).status is ClaimStatus.CONFLICT
+
+
+async def test_a_sweep_cancelled_in_its_detach_leaves_the_pool_clean_and_the_next_one_finishes(
+        database: Database, url: str) -> None:
+    """A worker stopping while a generation's detach waits for a report: the sweep is cancelled there, its
+    connection goes back without the upkeep's lock or a transaction, and the next sweep (any worker's)
+    finishes the pending detach and drops the generation."""
+    clock = Clock()
+    await partition(database, clock)
+    inbox = store(database, clock)
+    assert await complete(database, inbox, await claim(database, inbox, "old"))
+    clock.now += PARTITION
+    await inbox.sweep()
+    report = await asyncpg.connect(url.replace("postgresql+asyncpg://", "postgresql://"))
+    try:
+        transaction = report.transaction(isolation="repeatable_read")
+        await transaction.start()
+        await report.fetchval("SELECT count(*) FROM inbox")
+        clock.now += RETENTION + TOMBSTONE + PARTITION
+        sweep = asyncio.create_task(inbox.sweep())
+        async with (await database.pool()).acquire() as conn:
+            for _ in range(200):  # until the detach is under way (pending, waiting for the report)
+                if await conn.fetchval("SELECT count(*) FROM pg_inherits WHERE inhdetachpending"):
+                    break
+                await asyncio.sleep(0.02)
+            else:
+                raise AssertionError("the detach did not start")
+        sweep.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await sweep
+        await transaction.rollback()
+    finally:
+        await report.close()
+    async with (await database.pool()).acquire() as conn:
+        assert await conn.fetchval(f"SELECT pg_try_advisory_lock({partitions.MAINTENANCE_LOCK})")
+        await conn.execute(f"SELECT pg_advisory_unlock({partitions.MAINTENANCE_LOCK})")
+    found = await claim(database, inbox, "new")  # the pool's connections are usable
+    assert found.status is ClaimStatus.ACQUIRED
+    # The cancelled detach was generation 0's (the plain table's, empty); the next sweep finishes it, then
+    # generation 1 leaves with its row.
+    assert await inbox.sweep() == 1
+    assert {0, 1}.isdisjoint(await _attached(database))
+    async with (await database.pool()).acquire() as conn:
+        assert await conn.fetchval("SELECT to_regclass('inbox_p0')") is None
+        assert await conn.fetchval("SELECT to_regclass('inbox_p1')") is None
+        assert not await conn.fetchval("SELECT count(*) FROM pg_inherits WHERE inhdetachpending")
