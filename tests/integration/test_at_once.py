@@ -148,3 +148,39 @@ async def test_a_route_whose_own_row_is_refused_first_gets_the_answer_written(pg
         async with app.database.connect() as ex:
             assert ex.driver is not None
             assert await ex.driver.fetchval("SELECT count(*) FROM at_once_effects WHERE ticket = $1", ticket) == 1
+
+
+async def test_a_staged_route_that_publishes_writes_its_message_with_its_row(pg_database: str) -> None:
+    """A staged route that stages one statement and publishes to the outbox: the message is written with
+    the row and the key (the single statement is not taken: it carries no outbox rows)."""
+    import httpx
+    from fastapi import Depends, FastAPI
+
+    from consumer_kit import ConsumerApp
+    from consumer_kit.http.asgi import lifespan
+    from consumer_kit.http.idempotency import IdempotencyKey, IdempotencyMiddleware, IdempotentContext
+    from consumer_kit.testing.server import served_asgi
+    from tests.conftest import make_settings
+
+    app = ConsumerApp(make_settings(pg_database))
+    tickets = IdempotencyKey(app, namespace="tickets", version=1, staged=True, driver="asyncpg")
+    api = FastAPI(lifespan=lifespan(app))
+    api.add_middleware(IdempotencyMiddleware)
+
+    @api.post("/tickets", status_code=201)
+    async def book(body: dict[str, str], ctx: IdempotentContext = Depends(tickets)) -> dict[str, str]:  # noqa: B008
+        ctx.stage(INSERT, body["ticket"], 1)
+        ctx.outbox.publish("ticket-events", b'{"booked": true}')
+        return {"ticket": body["ticket"]}
+
+    async with served_asgi(api) as base, httpx.AsyncClient(base_url=base, timeout=30) as http:
+        async with app.database.connect() as ex:
+            assert ex.driver is not None
+            await ex.driver.execute(TABLE)
+        for _ in range(2):
+            answer = await http.post("/tickets", json={"ticket": "t-pub"}, headers={"Idempotency-Key": '"pub-1"'})
+            assert answer.status_code == 201
+        async with app.database.connect() as ex:
+            assert ex.driver is not None
+            assert await ex.driver.fetchval("SELECT count(*) FROM at_once_effects WHERE ticket = 't-pub'") == 1
+            assert await ex.driver.fetchval("SELECT count(*) FROM outbox WHERE destination = 'ticket-events'") == 1

@@ -22,11 +22,10 @@ both (here they raise), and so would a call out of the process.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, cast
 
-from consumer_kit.http.idempotency.held import Operation
+from consumer_kit.http.idempotency.held import NOTHING_HELD, Operation
 from consumer_kit.http.idempotency.keys import Sent
 from consumer_kit.http.idempotency.replies import Reply
 from consumer_kit.keys import short
@@ -46,6 +45,8 @@ _PAUSES = (0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.4, 0.8, 0)
 
 _MISTAKE = ("this endpoint is IdempotencyKey(staged=True): its route stages its writes (ctx.stage, "
             "ctx.outbox), which are written with its key once it returns; it has no ctx.connection or ctx.db")
+_UNOPENED = {uses_db: Unopened(uses_db, _MISTAKE) for uses_db in (True, False)}
+"""A staged route's stand-in connection, by driver (it holds nothing of a request's: one each serves all)."""
 
 
 class StagedOperation(Operation):
@@ -53,9 +54,8 @@ class StagedOperation(Operation):
 
     def __init__(self, keys: KeyRules, key: OperationKey, fp: str, request: RequestFacts, digests: Sequence[str],
                  span: Span | None, *, sent: Sent | None = None) -> None:
-        super().__init__(keys, key, fp, request, Claim(ClaimStatus.ACQUIRED, digests[0], 1),
-                         contextlib.AsyncExitStack(), cast(Executor, Unopened(keys.uses_db, _MISTAKE)), span, sent=sent)
-        self.single = True
+        super().__init__(keys, key, fp, request, Claim(ClaimStatus.ACQUIRED, digests[0], 1), NOTHING_HELD,
+                         cast(Executor, _UNOPENED[keys.uses_db]), span, transaction=NOTHING_HELD, sent=sent)
         self._digests = digests
 
     async def finish(self, reply: Reply) -> Reply:
@@ -63,6 +63,7 @@ class StagedOperation(Operation):
         limit = keys.response_limit or keys.app.settings.idempotent_response_limit_bytes
         if reply.status >= 500 or len(reply.body) > limit:
             return await super().finish(reply)  # not stored; nothing is held, nothing written
+        self._writes.outbox(self.context.outbox_rows())  # written with the staged statements, or not at all
         staged = self._writes.alone()
         if staged is not None and can_guard(staged[0]) and self._one_statement():
             answer = await self._at_once(reply, *staged)

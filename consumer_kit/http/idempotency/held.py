@@ -33,14 +33,34 @@ class IdempotentContext(Context):
     for a scoped endpoint its id is a keyed digest of the caller and the client's key, so that the keys
     derived from it (``ctx.derive("carrier")``) differ between two callers who sent the same key."""
 
-    __slots__ = ("_made", "_received_at", "_request", "caller")
+    __slots__ = ("_made", "_made_outbox", "_operation", "_received_at", "_request", "caller")
 
-    def __init__(self, request: RequestFacts, received_at: datetime, **context: Any) -> None:
+    def __init__(self, request: RequestFacts, received_at: datetime, operation: Operation, **context: Any) -> None:
         self._made: Delivery | None = None
-        super().__init__(delivery=cast(Delivery, None), **context)
+        self._made_outbox: OutboxWriter | None = None
+        self._operation = operation
+        super().__init__(delivery=cast(Delivery, None), outbox=cast(OutboxWriter, None), **context)
         self._request = request
         self._received_at = received_at
         self.caller = request.caller
+
+    @property  # Context's slot, made when first used (most routes publish nothing)
+    def outbox(self) -> OutboxWriter:
+        """Stages messages in the transaction that stores the response (see :class:`~consumer_kit.Context`)."""
+        if self._made_outbox is None:
+            operation = self._operation
+            app = operation.keys.app
+            self._made_outbox = OutboxWriter(app.pipeline.digester, operation.keys.consumer, operation.key,
+                                             clock=app.clock)
+        return self._made_outbox
+
+    @outbox.setter
+    def outbox(self, made: OutboxWriter | None) -> None:
+        self._made_outbox = made
+
+    def outbox_rows(self) -> list[dict[str, Any]]:
+        """The messages the route published (taken: none are left staged)."""
+        return [] if self._made_outbox is None else self._made_outbox.take()
 
     @property
     def delivery(self) -> Delivery:
@@ -72,6 +92,24 @@ _GIVEN_BACK_STATUS = {"timed_out": 503, "lease_lost": 409, "invalid_request": 42
 class _Abandoned(Exception):
     """Handed to the transaction's exit to roll it back when the route failed without an exception of
     its own (a 5xx it returned, a response too big to keep)."""
+
+
+class _Nothing:
+    """The connection and transaction of an operation that holds none (a staged route's, until it writes):
+    closing it is nothing to do. (An empty ``AsyncExitStack`` a request, made and closed, cost more than
+    the rest of a staged request's bookkeeping.)"""
+
+    __slots__ = ()
+
+    async def aclose(self) -> None:
+        return None
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        return None
+
+
+NOTHING_HELD: Any = _Nothing()
+"""What a :class:`StagedOperation` holds while its route runs (see :class:`_Nothing`)."""
 
 
 async def end_unwritten(transaction: contextlib.AsyncExitStack, connection: contextlib.AsyncExitStack) -> None:
@@ -106,9 +144,9 @@ class Operation:
         self._started = asyncio.get_running_loop().time()
         self._began_at = app.clock()
         self._writes = StagedWrites()
-        outbox = OutboxWriter(app.pipeline.digester, keys.consumer, key, clock=app.clock)
-        self.context = IdempotentContext(request, self._began_at, key=key, executor=ex, attempt=claim.attempts,
-                                         key_digest=self.digest, outbox=outbox, staged=self._writes, http=app.http)
+        self.context = IdempotentContext(request, self._began_at, self, key=key, executor=ex,
+                                         attempt=claim.attempts, key_digest=self.digest, staged=self._writes,
+                                         http=app.http)
         self.span = span
         self._ended = False
 
@@ -138,9 +176,9 @@ class Operation:
             return refusal(500, "idempotent_response_too_large", outcome="too_large")
         try:
             ex = self.ex
+            self._writes.outbox(self.context.outbox_rows())
             if self._writes:
                 await self._writes.write(ex)
-            await self.context.outbox.flush(ex)
             session = ex.session_made()
             if session is not None and (session.new or session.dirty or session.deleted):
                 await session.flush()
@@ -166,12 +204,11 @@ class Operation:
         The endpoint remembers it, for its repeats, until the earliest expiry its row can have."""
         self._ended = True
         await self._connection.aclose()
-        inbox = self.keys.app.inbox
-        self.keys.finished.keep({"state": "completed", "key_digest": self.claim.digest, "fingerprint": self.fingerprint,
-                                 "attempts": self.claim.attempts, "result": stored, "locked_until": None},
-                                until=self._began_at + inbox.retention - inbox.lease, sent=self.sent)
-        self.keys.count("processed")
-        self.keys.timed(asyncio.get_running_loop().time() - self._started)
+        keys, inbox = self.keys, self.keys.app.inbox
+        keys.finished.written(self.claim.digest, self.fingerprint, self.claim.attempts, stored,
+                              until=self._began_at + inbox.retention - inbox.lease, sent=self.sent)
+        keys.count("processed")
+        keys.timed(asyncio.get_running_loop().time() - self._started)
         self._end_span(reply.status, "processed")
         return reply
 

@@ -44,11 +44,11 @@ class Remembered:
 
     __slots__ = ("_reply", "attempts", "digest", "fingerprint", "result", "sent", "size", "until")
 
-    def __init__(self, row: Mapping[str, Any], until: datetime, size: int) -> None:
-        result = row["result"]
-        self.digest: str = row["key_digest"]
-        self.fingerprint: str = row["fingerprint"]
-        self.attempts = int(row["attempts"])
+    def __init__(self, digest: str, fingerprint: str, attempts: int, result: Mapping[str, Any], until: datetime,
+                 size: int) -> None:
+        self.digest = digest
+        self.fingerprint = fingerprint
+        self.attempts = int(attempts)
         self.result = (int(result["status"]), tuple((str(n), str(v)) for n, v in result.get("headers", ())),
                        str(result.get("body", "")))
         self.until = until
@@ -104,19 +104,26 @@ class Finished:
         return found.row if found is not None else None
 
     def keep(self, row: Mapping[str, Any], until: datetime | None = None, *, sent: Sent | None = None) -> None:
-        """Remember ``row`` (read from the inbox, or as written) until ``until`` (default its
-        ``expires_at``), if it is completed with an answer and fits the budget; ``sent``: the request
-        it is known to answer, as sent (:func:`~.keys.sent_form`)."""
+        """Remember ``row`` (read from the inbox) until ``until`` (default its ``expires_at``), if it is
+        completed with an answer and fits the budget; ``sent``: the request it is known to answer, as sent
+        (:func:`~.keys.sent_form`)."""
         result = row.get("result")
-        if row.get("state") != "completed" or not isinstance(result, dict) or self._budget <= 0:
+        if row.get("state") != "completed" or not isinstance(result, dict):
+            return
+        self.written(row["key_digest"], row["fingerprint"], row["attempts"], result,
+                     until=until or row["expires_at"], sent=sent)
+
+    def written(self, digest: str, fingerprint: str, attempts: int, result: Mapping[str, Any], *, until: datetime,
+                sent: Sent | None = None) -> None:
+        """Remember a key this process completed with ``result`` (what a replay answers), as :meth:`keep`."""
+        if self._budget <= 0:
             return
         size = ENTRY_BYTES + len(result.get("body", ""))
         if size > self._budget // 16:  # a few large answers must not push out every other
             return
-        digest = row["key_digest"]
         if digest in self._rows:
             self._forget(digest)
-        kept = self._rows[digest] = Remembered(row, until or row["expires_at"], size)
+        kept = self._rows[digest] = Remembered(digest, fingerprint, attempts, result, until, size)
         self._used += size
         if sent is not None:
             self.learn(kept, sent)
