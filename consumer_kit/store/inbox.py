@@ -20,6 +20,7 @@ from typing import Any
 
 from consumer_kit.errors import ConfigurationError
 from consumer_kit.store import partitions, sql
+from consumer_kit.store.at_once import AtOnce, SharedWrites
 from consumer_kit.store.claims import BatchKey, Claim, ClaimStatus, Clock, claimable, utcnow, verdict
 from consumer_kit.store.connections import Database
 from consumer_kit.store.executor import Executor, Row
@@ -98,6 +99,7 @@ class Inbox:
                                   else Sqlite())
         self.statements: Statements = self._dialect.sql
         self._reads = _SharedReads(self)
+        self._writes = SharedWrites(self)
 
     @property
     def shares_reads(self) -> bool:
@@ -120,6 +122,15 @@ class Inbox:
         store connection, so that a duplicate costs a share of one read and holds no connection."""
         assert self.shares_reads, "shared reads are for PostgreSQL"
         return await self._reads.look(consumer, digests)
+
+    async def write_with_key(self, consumer: str, digest: str, fingerprint: str, *, namespace: str, version: int,
+                             outcome: str, result: Any, statement: str, args: tuple[Any, ...]) -> AtOnce:
+        """The key's row written completed with ``result``, and one staged ``statement`` with its
+        ``args``, in a single statement (PostgreSQL on asyncpg; :func:`~consumer_kit.store.at_once.write_at_once`)
+        on a connection of the store's own, together with the same statement's other writes under way
+        (a group commit: :class:`~consumer_kit.store.at_once.SharedWrites`)."""
+        return await self._writes.write(consumer, digest, fingerprint, namespace=namespace, version=version,
+                                        outcome=outcome, result=result, statement=statement, args=args)
 
     async def claim(self, ex: Executor, consumer: str, digests: Sequence[str], fingerprint: str, *,
                     namespace: str, version: int, creation: Creation | None = None,

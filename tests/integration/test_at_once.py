@@ -1,14 +1,20 @@
 """The key and one staged write in a single statement (``consumer_kit.store.at_once``), on the real
-PostgreSQL server through the store's asyncpg pool: written together or not at all."""
+PostgreSQL server through the store's asyncpg pool: written together or not at all; and the writes under
+way at once written as a group (``Inbox.write_with_key``), a group that fails sent again alone."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+import hashlib
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
+import asyncpg
 import pytest
 
 from consumer_kit.store import Database, Inbox, create_engine
 from consumer_kit.store.at_once import AtOnce, can_guard, write_at_once
+from tests.integration.sleeping import sleeping_statement
 
 pytestmark = pytest.mark.postgres
 
@@ -148,6 +154,119 @@ async def test_a_route_whose_own_row_is_refused_first_gets_the_answer_written(pg
         async with app.database.connect() as ex:
             assert ex.driver is not None
             assert await ex.driver.fetchval("SELECT count(*) FROM at_once_effects WHERE ticket = $1", ticket) == 1
+
+
+# --- written together (Inbox.write_with_key) -------------------------------------------------------------
+
+# One statement text for every write of a test, so that they share a group; the first sleeps, so that the
+# others come while it runs and wait for it.
+SLOW = "INSERT INTO at_once_effects (ticket, amount) SELECT $1, $2 FROM pg_sleep($3)"
+
+
+@pytest.fixture
+def groups(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
+    """The size of every group asyncpg is asked to write (its executemany)."""
+    sizes: list[int] = []
+    executemany = asyncpg.Connection.executemany
+
+    async def counted(self: asyncpg.Connection, command: str, args: Any, **kwargs: Any) -> None:
+        args = list(args)
+        sizes.append(len(args))
+        await executemany(self, command, args, **kwargs)
+
+    monkeypatch.setattr(asyncpg.Connection, "executemany", counted)
+    yield sizes
+
+
+def named(name: str) -> str:
+    """A digest of its own for each name (``ljust`` would make ``g1`` and ``g10`` one)."""
+    return hashlib.sha256(name.encode()).hexdigest()
+
+
+def shared(inbox: Inbox, name: str, *args: object, statement: str = SLOW) -> asyncio.Task[AtOnce]:
+    return asyncio.ensure_future(inbox.write_with_key(
+        CONSUMER, named(name), "f" * 64, namespace="orders", version=1, outcome="processed",
+        result={"status": 201, "body": "e30="}, statement=statement, args=args))
+
+
+async def leased(database: Database) -> int:
+    pool = await database.pool()
+    return pool.get_size() - pool.get_idle_size()
+
+
+async def test_writes_under_way_at_once_go_as_one_group_each_written_once(
+        store: tuple[Database, Inbox], groups: list[int]) -> None:
+    database, inbox = store
+    first = shared(inbox, "g0", "t-0", 0, 0.3)
+    await asyncio.sleep(0.05)  # the first is written alone, at once; the others wait for it
+    others = [shared(inbox, f"g{i}", f"t-{i}", i, 0.0) for i in range(1, 21)]
+    assert await asyncio.gather(first, *others) == [AtOnce.WRITTEN] * 21
+    assert groups == [20]  # one round trip and one commit for the twenty
+    assert sorted(await effects(database)) == sorted((f"t-{i}", i) for i in range(21))
+    async with database.connect() as ex:
+        assert ex.driver is not None
+        assert await ex.driver.fetchval("SELECT count(*) FROM inbox WHERE consumer = $1 AND state = 'completed'",
+                                        CONSUMER) == 21
+    assert await leased(database) == 0
+
+
+async def test_a_group_that_fails_is_sent_again_alone_each_meeting_its_own(
+        store: tuple[Database, Inbox], groups: list[int]) -> None:
+    """One write of the group has a key taken, another a row its table refuses: the group writes nothing;
+    sent again alone, each of the others is written, the taken one is TAKEN, the refused one fails alone."""
+    database, inbox = store
+    assert await shared(inbox, "taken", "t-taken", 0, 0.0) is AtOnce.WRITTEN
+    first = shared(inbox, "h0", "t-h0", 0, 0.3)
+    await asyncio.sleep(0.05)
+    fine = [shared(inbox, f"h{i}", f"t-h{i}", i, 0.0) for i in range(1, 6)]
+    taken = shared(inbox, "taken", "t-other", 9, 0.0)
+    refused = shared(inbox, "h9", "t-h1", 9, 0.0)  # t-h1 is another write's row in this group
+    done = await asyncio.gather(first, *fine, taken, refused, return_exceptions=True)
+    assert done[:6] == [AtOnce.WRITTEN] * 6 and done[6] is AtOnce.TAKEN
+    assert isinstance(done[7], asyncpg.UniqueViolationError) and done[7].constraint_name != "pk_inbox"
+    assert groups == [7]  # the group, once; then each alone
+    assert sorted(await effects(database)) == sorted([("t-taken", 0), ("t-h0", 0), *((f"t-h{i}", i) for i in range(1, 6))])
+    async with database.connect() as ex:
+        assert await inbox.lookup(ex, CONSUMER, [named("h9")]) is None  # its key is new still
+    assert await leased(database) == 0
+
+
+async def test_a_write_cancelled_while_it_waits_is_never_written(store: tuple[Database, Inbox]) -> None:
+    database, inbox = store
+    first = shared(inbox, "w0", "t-w0", 0, 0.3)
+    await asyncio.sleep(0.05)
+    waiting = shared(inbox, "w1", "t-w1", 1, 0.0)
+    after = shared(inbox, "w2", "t-w2", 2, 0.0)
+    await asyncio.sleep(0.01)
+    waiting.cancel()
+    assert await asyncio.gather(first, after) == [AtOnce.WRITTEN] * 2
+    assert waiting.cancelled()
+    assert sorted(await effects(database)) == [("t-w0", 0), ("t-w2", 2)]
+    async with database.connect() as ex:
+        assert await inbox.lookup(ex, CONSUMER, [named("w1")]) is None
+    assert await leased(database) == 0
+
+
+async def test_a_write_cancelled_while_its_group_writes_leaves_the_group_unwritten_and_the_others_alone(
+        store: tuple[Database, Inbox], groups: list[int]) -> None:
+    """A request cancelled while its group's statement runs cancels that statement: nothing of the group is
+    written (so the cancelled one writes nothing), and the others are sent again alone and written."""
+    database, inbox = store
+    first = shared(inbox, "x0", "t-x0", 0, 0.3)
+    await asyncio.sleep(0.05)
+    slow = shared(inbox, "x1", "t-x1", 1, 2.0)  # the group's statement runs for two seconds
+    cancelled = shared(inbox, "x2", "t-x2", 2, 0.0)
+    rest = [shared(inbox, f"x{i}", f"t-x{i}", i, 0.0) for i in range(3, 6)]
+    assert await first is AtOnce.WRITTEN
+    await sleeping_statement(database.engine, slow)  # the group's statement is under way
+    cancelled.cancel()
+    assert await asyncio.gather(slow, *rest) == [AtOnce.WRITTEN] * 4
+    assert cancelled.cancelled()
+    assert groups == [5]
+    assert sorted(await effects(database)) == sorted([("t-x0", 0), ("t-x1", 1), *((f"t-x{i}", i) for i in range(3, 6))])
+    async with database.connect() as ex:
+        assert await inbox.lookup(ex, CONSUMER, [named("x2")]) is None
+    assert await leased(database) == 0
 
 
 async def test_a_staged_route_that_publishes_writes_its_message_with_its_row(pg_database: str) -> None:

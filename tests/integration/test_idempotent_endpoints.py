@@ -29,8 +29,7 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.trace import SpanKind
 from prometheus_client.parser import text_string_to_metric_families
 
-from consumer_kit.http.idempotency import deferred
-from consumer_kit.store.at_once import write_at_once
+from consumer_kit.store import Inbox
 from consumer_kit.testing.server import served_asgi
 from tests.conftest import Spans, make_settings, migrated_database, span_texts
 from tests.integration.idempotent_app import build
@@ -776,12 +775,13 @@ async def test_staged_the_first_request_runs_once_and_repeats_replay(client: Cli
     """On PostgreSQL on asyncpg one staged statement goes with the key in a single statement; two go in
     one transaction after the route, as on SQLite. Either way: written once, replayed after."""
     sent: list[str] = []
+    write_with_key = Inbox.write_with_key
 
-    async def counted(*args: Any, **kwargs: Any) -> Any:
+    async def counted(inbox: Inbox, *args: Any, **kwargs: Any) -> Any:
         sent.append(kwargs["statement"])
-        return await write_at_once(*args, **kwargs)
+        return await write_with_key(inbox, *args, **kwargs)
 
-    monkeypatch.setattr(deferred, "write_at_once", counted)  # the server runs in this process
+    monkeypatch.setattr(Inbox, "write_with_key", counted)  # the server runs in this process
     key, ticket = client.key(), client.ticket()
     order = {"ticket": ticket, "stage_twice": twice}
     wrote = [("staged", None, 1), ("staged-again", None, 1)] if twice else [("staged", None, 1)]

@@ -30,7 +30,7 @@ from consumer_kit.http.idempotency.keys import Sent
 from consumer_kit.http.idempotency.replies import Reply
 from consumer_kit.keys import short
 from consumer_kit.store import Claim, ClaimStatus, Executor, claimable, verdict
-from consumer_kit.store.at_once import AtOnce, can_guard, write_at_once
+from consumer_kit.store.at_once import AtOnce, can_guard
 from consumer_kit.store.unopened import Unopened
 
 if TYPE_CHECKING:
@@ -102,25 +102,27 @@ class StagedOperation(Operation):
         keys, inbox = self.keys, self.keys.app.inbox
         stored = keys.stored(reply)
         try:
-            async with keys.app.database.connect() as ex:
-                for _ in range(2):  # again once a swept key's tombstone is forgotten (after_retention="run")
-                    try:
-                        done = await write_at_once(ex, inbox, keys.consumer, self._digests[0], self.fingerprint,
-                                                   namespace=self.key.namespace, version=self.key.version,
-                                                   outcome="processed", result=stored, statement=statement,
-                                                   args=args)
-                    except Exception as exc:
-                        # The route's own row may be refused first (its unique index) by another request
-                        # with this key that wrote a moment before: then the key's row answers.
-                        if not _unique_violation(exc):
-                            raise
+            for _ in range(2):  # again once a swept key's tombstone is forgotten (after_retention="run")
+                try:
+                    # With the other requests' writes under way, on a connection of the store's own.
+                    done = await inbox.write_with_key(keys.consumer, self._digests[0], self.fingerprint,
+                                                      namespace=self.key.namespace, version=self.key.version,
+                                                      outcome="processed", result=stored, statement=statement,
+                                                      args=args)
+                except Exception as exc:
+                    # The route's own row may be refused first (its unique index) by another request
+                    # with this key that wrote a moment before: then the key's row answers.
+                    if not _unique_violation(exc):
+                        raise
+                    async with keys.app.database.connect() as ex:
                         row = await inbox.lookup(ex, keys.consumer, self._digests)
-                        if row is None or claimable(row, self.fingerprint, keys.app.clock()):
-                            raise
-                        return self._answered(keys.taken(verdict(row, self.fingerprint)))
-                    if done is AtOnce.WRITTEN:
-                        keys.seen(taken=False)
-                        return await self._stored(reply, stored)
+                    if row is None or claimable(row, self.fingerprint, keys.app.clock()):
+                        raise
+                    return self._answered(keys.taken(verdict(row, self.fingerprint)))
+                if done is AtOnce.WRITTEN:
+                    keys.seen(taken=False)
+                    return await self._stored(reply, stored)
+                async with keys.app.database.connect() as ex:
                     if done is AtOnce.SWEPT:
                         refused = keys.late()
                         if refused is not None:
@@ -128,11 +130,11 @@ class StagedOperation(Operation):
                         await inbox.forget(ex, keys.consumer, self._digests)
                         continue
                     row = await inbox.lookup(ex, keys.consumer, self._digests)
-                    if row is None:  # swept since: its tombstone decides, the next time round
-                        continue
-                    if claimable(row, self.fingerprint, keys.app.clock()):
-                        return None
-                    return self._answered(keys.taken(verdict(row, self.fingerprint)))
+                if row is None:  # swept since: its tombstone decides, the next time round
+                    continue
+                if claimable(row, self.fingerprint, keys.app.clock()):
+                    return None
+                return self._answered(keys.taken(verdict(row, self.fingerprint)))
         except BaseException as exc:
             await self._give_back(exc, "failed")
             raise
