@@ -40,7 +40,7 @@ from consumer_kit.pipeline.running import HandlerRunner, Stores, commit_span, sp
 from consumer_kit.pipeline.work import PROCESSED, TAKEN, Work
 from consumer_kit.redaction import describe
 from consumer_kit.store import Claim, ClaimStatus, Executor, StagedWrites, claimable, verdict
-from consumer_kit.store.at_once import AtOnce, can_guard, write_at_once
+from consumer_kit.store.at_once import AtOnce, can_guard
 
 READ_FIRST_ABOVE = 0.25
 """The share of duplicates above which a delivery is looked up before its transaction."""
@@ -99,20 +99,21 @@ class SinglePath:
             prepared.append(writes)
             return None
         statement, args = alone
+        try:
+            with commit_span(work) as committing:
+                committing()
+                # With the other deliveries' writes of this statement under way (a group commit).
+                done = await inbox.write_with_key(spec.consumer, work.digests[0], work.fingerprint,
+                                                  namespace=work.key.namespace, version=work.key.version,
+                                                  outcome=PROCESSED, result=None, statement=statement, args=args)
+        except Exception:  # nothing was written: the transaction path meets it again, and retries or parks
+            prepared.append(writes)
+            return None
+        if done is AtOnce.WRITTEN:
+            work.claim = Claim(ClaimStatus.ACQUIRED, work.digests[0], 1)
+            work.log(logging.DEBUG, "delivery processed")
+            return Result(Outcome.PROCESSED, Settlement.ACK, key_digest=short(work.digests[0]))
         async with stores.database.connect() as ex:
-            try:
-                with commit_span(work) as committing:
-                    committing()
-                    done = await write_at_once(ex, inbox, spec.consumer, work.digests[0], work.fingerprint,
-                                               namespace=work.key.namespace, version=work.key.version,
-                                               outcome=PROCESSED, result=None, statement=statement, args=args)
-            except Exception:  # nothing was written: the transaction path meets it again, and retries or parks
-                prepared.append(writes)
-                return None
-            if done is AtOnce.WRITTEN:
-                work.claim = Claim(ClaimStatus.ACQUIRED, work.digests[0], 1)
-                work.log(logging.DEBUG, "delivery processed")
-                return Result(Outcome.PROCESSED, Settlement.ACK, key_digest=short(work.digests[0]))
             if done is AtOnce.SWEPT:
                 return await self.fate.not_acquired(work, Claim(ClaimStatus.SWEPT, work.digests[0], 0), ex)
             existing = await inbox.lookup(ex, spec.consumer, work.digests)

@@ -178,17 +178,17 @@ async def test_staged_writes_group_rows_by_statement_in_first_staged_order() -> 
 
 def counted_at_once(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """What each single statement the pipeline sent came to (``AtOnce`` values)."""
-    from consumer_kit.pipeline import single
+    from consumer_kit.store import Inbox
 
     done: list[str] = []
-    original = single.write_at_once
+    original = Inbox.write_with_key
 
-    async def counted(*args: Any, **kw: Any) -> Any:
-        result = await original(*args, **kw)
+    async def counted(inbox: Inbox, *args: Any, **kw: Any) -> Any:
+        result = await original(inbox, *args, **kw)
         done.append(result.value)
         return result
 
-    monkeypatch.setattr(single, "write_at_once", counted)
+    monkeypatch.setattr(Inbox, "write_with_key", counted)
     return done
 
 
