@@ -153,7 +153,8 @@ class Inbox:
             return taken
         # Another claim got there after our statement's snapshot: its committed row decides.
         found = await self.lookup(ex, consumer, [digest])
-        if found is None:  # swept in between: a brand-new key after all
+        if found is None or (claimable(found, fingerprint, now) and await self._dialect.drop_lapsed(ex, params)):
+            # swept in between (or, partitioned, its row lapsed): a brand-new key after all
             return await self.claim(ex, consumer, digests, fingerprint, namespace=namespace, version=version,
                                     creation=creation)
         return verdict(found, fingerprint)
@@ -180,9 +181,12 @@ class Inbox:
             assert existing is not None
         if not claimable(existing, fingerprint, now):
             return verdict(existing, fingerprint)
-        finished = await ex.fetch_one(sql.FINISH_STARTED, {**params, "key_digest": existing["key_digest"]})
+        found = {**params, "key_digest": existing["key_digest"]}
+        finished = await ex.fetch_one(self.statements.finish_started, found)
         if finished is not None:
             return Claim(ClaimStatus.ACQUIRED, existing["key_digest"], int(finished["attempts"]))
+        if await self._dialect.drop_lapsed(ex, found) and await self._dialect.insert_one(ex, params):
+            return Claim(ClaimStatus.ACQUIRED, digests[0], 1)
         # Completed, dead, leased or another request: the row as committed now decides.
         row = await self.lookup(ex, consumer, [existing["key_digest"]])
         assert row is not None
@@ -228,7 +232,7 @@ class Inbox:
                   "fingerprint": fingerprint, "outcome": outcome, "result": result, "now": now,
                   "expires_at": now + self.retention, "tombstones": self.tombstones}
         if claim.carried is not None:
-            return await ex.fetch_one(sql.FINISH_STARTED_WITH_RESULT, params) is not None
+            return await ex.fetch_one(self.statements.finish_started_with_result, params) is not None
         return await ex.execute(sql.INSERT_COMPLETED_WITH_RESULT, params) == 1
 
     async def claim_batch(self, ex: Executor, consumer: str, keys: Sequence[BatchKey], *,
@@ -267,9 +271,9 @@ class Inbox:
                   "now": now, "expires_at": now + self.retention, "keep_from": now + self.retention - self.lease}
         if result is not None:
             assert ending is None, "a stored result and a coordinator ending are not written together"
-            return await ex.execute(sql.COMPLETE_WITH_RESULT, {**params, "result": result}) == 1
+            return await ex.execute(self.statements.complete_with_result, {**params, "result": result}) == 1
         if ending is None:
-            return await ex.execute(sql.COMPLETE, params) == 1
+            return await ex.execute(self.statements.complete, params) == 1
         return await self._dialect.complete_ending(ex, params, ending)
 
     async def renew(self, ex: Executor, consumer: str, digest: str, token: str) -> bool:
@@ -282,15 +286,15 @@ class Inbox:
     async def release(self, ex: Executor, consumer: str, digest: str, token: str, *,
                       error: str | None = None) -> bool:
         """Give a lease back after a failed or abandoned attempt, so the next delivery takes over at once."""
-        return await ex.execute(sql.RELEASE, {
+        return await ex.execute(self.statements.release, {
             "consumer": consumer, "key_digest": digest, "lease_token": token, "now": self.clock(),
             "last_error": error[:500] if error else None}) == 1
 
     async def withdraw(self, ex: Executor, consumer: str, digest: str, token: str) -> bool:
         """Delete the row of a claim we hold whose request turned out invalid before anything ran, so
         that the key is new again (a claim given back with :meth:`release` keeps its fingerprint)."""
-        return await ex.execute(sql.WITHDRAW, {"consumer": consumer, "key_digest": digest,
-                                               "lease_token": token}) == 1
+        return await ex.execute(self.statements.withdraw, {"consumer": consumer, "key_digest": digest,
+                                                           "lease_token": token, "now": self.clock()}) == 1
 
     async def mark_dead(self, ex: Executor, consumer: str, digest: str, token: str | None, *,
                         reason: str) -> bool:
@@ -299,8 +303,8 @@ class Inbox:
         params = {"consumer": consumer, "key_digest": digest, "outcome": reason, "now": now,
                   "expires_at": now + self.retention}
         if token is None:
-            return await ex.execute(sql.MARK_DEAD_UNLEASED, params) == 1
-        return await ex.execute(sql.MARK_DEAD, {**params, "lease_token": token}) == 1
+            return await ex.execute(self.statements.mark_dead_unleased, params) == 1
+        return await ex.execute(self.statements.mark_dead, {**params, "lease_token": token}) == 1
 
     async def record_failure(self, ex: Executor, consumer: str, digests: Sequence[str], fingerprint: str, *,
                              namespace: str, version: int, error: str) -> int:
@@ -345,9 +349,10 @@ class Inbox:
         for digest in digests:
             params = {"consumer": consumer, "key_digest": digest, "now": now, "expires_at": now + self.retention}
             if fingerprint is None:
-                count = await ex.execute(sql.REOPEN_PARKED, params)
+                count = await ex.execute(self.statements.reopen_parked, params)
             else:
-                count = await ex.execute(sql.REOPEN_WITH_FINGERPRINT, {**params, "fingerprint": fingerprint})
+                count = await ex.execute(self.statements.reopen_with_fingerprint,
+                                         {**params, "fingerprint": fingerprint})
             reopened = reopened or count == 1
         await self.forget(ex, consumer, digests)
         return reopened

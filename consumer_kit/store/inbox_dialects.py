@@ -18,18 +18,38 @@ from consumer_kit.store.receipts import Creation, Ending
 @dataclass(frozen=True, slots=True)
 class Statements:
     """The statements :class:`~consumer_kit.store.inbox.Inbox` runs itself whose text depends on the layout
-    (each takes ``now`` and ``tombstones`` besides the key, whether it uses them or not)."""
+    (each takes ``now`` and ``tombstones`` besides its own parameters, whether it uses them or not): the
+    partitioned inbox's look past tombstone rows, and change a key's row only while it is not past its time."""
 
     lookup: sql.Statement
     lookup_many: sql.Statement
     tombstone: sql.Statement
     renew: sql.Statement
     forget_tombstone: sql.Statement
+    complete: sql.Statement
+    complete_with_result: sql.Statement
+    complete_ending: sql.Statement
+    release: sql.Statement
+    withdraw: sql.Statement
+    mark_dead: sql.Statement
+    mark_dead_unleased: sql.Statement
+    finish_started: sql.Statement
+    finish_started_with_result: sql.Statement
+    reopen_parked: sql.Statement
+    reopen_with_fingerprint: sql.Statement
 
 
-PLAIN = Statements(sql.LOOKUP, sql.LOOKUP_MANY, sql.TOMBSTONE, sql.RENEW, sql.FORGET_TOMBSTONE)
-PARTITIONED = Statements(partitions.LOOKUP, partitions.LOOKUP_MANY, partitions.TOMBSTONE, partitions.RENEW,
-                         partitions.FORGET_TOMBSTONE)
+PLAIN = Statements(
+    sql.LOOKUP, sql.LOOKUP_MANY, sql.TOMBSTONE, sql.RENEW, sql.FORGET_TOMBSTONE, sql.COMPLETE,
+    sql.COMPLETE_WITH_RESULT, sql.COMPLETE_ENDING_SESSION, sql.RELEASE, sql.WITHDRAW, sql.MARK_DEAD,
+    sql.MARK_DEAD_UNLEASED, sql.FINISH_STARTED, sql.FINISH_STARTED_WITH_RESULT, sql.REOPEN_PARKED,
+    sql.REOPEN_WITH_FINGERPRINT)
+PARTITIONED = Statements(
+    partitions.LOOKUP, partitions.LOOKUP_MANY, partitions.TOMBSTONE, partitions.RENEW, partitions.FORGET_TOMBSTONE,
+    partitions.COMPLETE, partitions.COMPLETE_WITH_RESULT, partitions.COMPLETE_ENDING_SESSION,
+    partitions.RELEASE, partitions.WITHDRAW, partitions.MARK_DEAD, partitions.MARK_DEAD_UNLEASED,
+    partitions.FINISH_STARTED, partitions.FINISH_STARTED_WITH_RESULT, partitions.REOPEN_PARKED,
+    partitions.REOPEN_WITH_FINGERPRINT)
 STALE_TRIES = 50
 """How many times a partitioned statement runs while the inbox rotates under it (once is the rule: see
 :mod:`~consumer_kit.store.partitions`)."""
@@ -76,6 +96,11 @@ class Dialect(Protocol):
         """One new key's row written completed, in ``ex``'s transaction; ``False``: the key has a row (or a
         tombstone)."""
 
+    async def drop_lapsed(self, ex: Executor, params: Mapping[str, Any]) -> bool:
+        """Delete the key's started row if it is past its time, without a live lease, and tombstones are
+        off: what the plain table's sweeper deletes, and what nothing takes over on the partitioned inbox;
+        whether it did (the key is then a new one)."""
+
     async def record_failure(self, ex: Executor, params: Mapping[str, Any]) -> int | None:
         """A failed single-transaction attempt counted on the key's started row, or that row made; the
         attempts so far, ``None`` when the key's row is not started (finished or parked meanwhile)."""
@@ -98,6 +123,9 @@ class _PlainKeys:
 
     async def insert_one(self, ex: Executor, params: Mapping[str, Any]) -> bool:
         return await ex.execute(sql.INSERT_COMPLETED, params) == 1
+
+    async def drop_lapsed(self, ex: Executor, params: Mapping[str, Any]) -> bool:
+        return False  # the sweeper deletes such a row, or a claim takes it over
 
     async def record_failure(self, ex: Executor, params: Mapping[str, Any]) -> int | None:
         row = await ex.fetch_one(sql.RECORD_FAILURE, params)
@@ -133,7 +161,7 @@ class Postgres(_PlainKeys):
             sql.LOOKUP_MANY, {"consumer": consumer, "key_digests": list(digests)})}
 
     async def complete_ending(self, ex: Executor, params: Mapping[str, Any], ending: Ending) -> bool:
-        row = await ex.fetch_one(sql.COMPLETE_ENDING_SESSION, {**params, **ending.params})
+        row = await ex.fetch_one(self.sql.complete_ending, {**params, **ending.params})
         assert row is not None
         ending.ended = bool(row["ended"])
         return bool(row["completed"] == 1)
@@ -193,9 +221,10 @@ class Sqlite(_PlainKeys):
 
 
 class Partitioned(Postgres):
-    """The partitioned inbox (:mod:`consumer_kit.store.partitions`): the claim inserts a key only where no
-    partition has it, under the rotation's check; a tombstone is an expired row until its partition
-    leaves; retention is :func:`~consumer_kit.store.partitions.maintain`, not row deletes."""
+    """The partitioned inbox (:mod:`consumer_kit.store.partitions`): every statement that inserts a key
+    inserts it only where no partition has it, under the rotation's check (run again when it says ``stale``);
+    a tombstone is an expired row until its partition leaves, and no statement changes such a row as if it
+    were the key's record; retention is :func:`~consumer_kit.store.partitions.maintain`, not row deletes."""
 
     sql = PARTITIONED
 
@@ -215,6 +244,9 @@ class Partitioned(Postgres):
 
     async def insert_one(self, ex: Executor, params: Mapping[str, Any]) -> bool:
         return int((await _guarded(ex)(partitions.INSERT_COMPLETED, params))["inserted"]) == 1
+
+    async def drop_lapsed(self, ex: Executor, params: Mapping[str, Any]) -> bool:
+        return not params["tombstones"] and await ex.execute(partitions.DROP_LAPSED, params) == 1
 
     async def record_failure(self, ex: Executor, params: Mapping[str, Any]) -> int | None:
         attempts = (await _guarded(ex)(partitions.RECORD_FAILURE, params))["attempts"]

@@ -49,6 +49,7 @@ from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from consumer_kit.errors import ConfigurationError
+from consumer_kit.store import sql
 from consumer_kit.store.sql import Statement
 
 if TYPE_CHECKING:
@@ -344,6 +345,14 @@ def _lock_not_available() -> type[Exception]:
 _LIVE = "(NOT CAST(:tombstones AS boolean) OR expires_at > :now OR locked_until > :now)"
 """A row that is the key's record, not its tombstone (with tombstones on, an expired row without a live
 lease is the key's tombstone until its partition leaves)."""
+_KEPT = "(expires_at > :now OR locked_until > :now)"
+"""A row not past its time: remembered, or held by a live lease. A statement that changes a key's row changes
+such a row only, for two reasons. With tombstones on, a row past its time is the key's tombstone: a completion,
+a release or a parking must not take it for the key's record (on the plain table the sweeper deleted that row:
+the statement finds none). And with tombstones on or off, its generation may be leaving: the rows that still
+matter were moved on into the current one before the detach (those expiring later than the sweep's now less
+INBOX_TOMBSTONE_SECONDS, which every row not past its time now does), and a row made to matter again after the
+move (its expiry pushed later) would be dropped with the rest."""
 _COLUMNS = ("consumer, key_digest, namespace, version, fingerprint, state, locked_until, lease_token, attempts,"
             " outcome, result, last_error, created_at, updated_at, expires_at")
 LOOKUP = Statement(f"SELECT {_COLUMNS} FROM inbox WHERE consumer = :consumer AND key_digest = :key_digest AND {_LIVE}")
@@ -397,8 +406,13 @@ TAKEOVER = Statement(  # its expiry kept at least as late as the lease: a leavin
     "UPDATE inbox SET locked_until = :locked_until, lease_token = :lease_token,"
     " attempts = attempts + 1, updated_at = :now, expires_at = GREATEST(expires_at, :locked_until)"
     " WHERE consumer = :consumer AND key_digest = :key_digest AND state = 'started'"
-    f" AND fingerprint = :fingerprint AND (locked_until IS NULL OR locked_until <= :now) AND {_LIVE}"
+    f" AND fingerprint = :fingerprint AND (locked_until IS NULL OR locked_until <= :now) AND {_KEPT}"
     " RETURNING attempts")
+# With tombstones off, a started row past its time without a live lease is one the plain table's sweeper deletes,
+# and nothing takes it over here (see _KEPT): a claim that meets one deletes it, then claims the key as a new one.
+DROP_LAPSED = Statement(
+    "DELETE FROM inbox WHERE consumer = :consumer AND key_digest = :key_digest AND state = 'started'"
+    " AND expires_at <= :now AND (locked_until IS NULL OR locked_until <= :now)")
 # The single-transaction claim's insert, in the handler's transaction: the row written completed when no
 # partition has the key; ``inserted`` 0 otherwise (the caller looks it up, as on the plain table).
 INSERT_COMPLETED = Statement(
@@ -425,11 +439,33 @@ RECORD_FAILURE = Statement(
     " SELECT (SELECT attempts FROM counted UNION ALL SELECT attempts FROM inserted LIMIT 1) AS attempts,"
     f" {_STALE}"
 )
-RENEW = Statement(
-    "UPDATE inbox SET locked_until = :locked_until, updated_at = :now,"
-    " expires_at = GREATEST(expires_at, :locked_until)"
-    " WHERE consumer = :consumer AND key_digest = :key_digest AND state = 'started' AND lease_token = :lease_token")
 FORGET_TOMBSTONE = Statement(  # the old table's row, or the expired row that is the key's tombstone
     "WITH old AS (DELETE FROM inbox_tombstones WHERE consumer = :consumer AND key_digest = :key_digest)"
     " DELETE FROM inbox WHERE consumer = :consumer AND key_digest = :key_digest AND expires_at <= :now"
     " AND (locked_until IS NULL OR locked_until <= :now)")
+
+
+def _kept(statement: Statement) -> Statement:
+    """``statement``, the plain table's change of one key's row, on a row not past its time (:data:`_KEPT`)."""
+    change, returning, rest = statement.sql.partition(" RETURNING ")
+    return Statement(f"{change} AND {_KEPT}{returning}{rest}")
+
+
+# The plain table's changes of a key's row (by its lease, or its state), on a row not past its time.
+RENEW = Statement(  # its expiry kept at least as late as the lease, as TAKEOVER's
+    "UPDATE inbox SET locked_until = :locked_until, updated_at = :now,"
+    " expires_at = GREATEST(expires_at, :locked_until)"
+    " WHERE consumer = :consumer AND key_digest = :key_digest AND state = 'started' AND lease_token = :lease_token"
+    f" AND {_KEPT}")
+COMPLETE = _kept(sql.COMPLETE)
+COMPLETE_WITH_RESULT = _kept(sql.COMPLETE_WITH_RESULT)
+COMPLETE_ENDING_SESSION = Statement(sql.COMPLETE_ENDING_SESSION.sql.replace(sql.COMPLETE.sql, COMPLETE.sql))
+assert COMPLETE.sql in COMPLETE_ENDING_SESSION.sql, "sql.COMPLETE_ENDING_SESSION must hold sql.COMPLETE as is"
+RELEASE = _kept(sql.RELEASE)
+WITHDRAW = _kept(sql.WITHDRAW)
+MARK_DEAD = _kept(sql.MARK_DEAD)
+MARK_DEAD_UNLEASED = _kept(sql.MARK_DEAD_UNLEASED)
+FINISH_STARTED = _kept(sql.FINISH_STARTED)
+FINISH_STARTED_WITH_RESULT = _kept(sql.FINISH_STARTED_WITH_RESULT)
+REOPEN_PARKED = _kept(sql.REOPEN_PARKED)
+REOPEN_WITH_FINGERPRINT = _kept(sql.REOPEN_WITH_FINGERPRINT)

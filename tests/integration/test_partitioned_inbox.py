@@ -1,6 +1,7 @@
 """The partitioned inbox (PostgreSQL on asyncpg): made from the plain table with its rows, one row a key
 across partitions under concurrent claims and rotations, the dedup window at a partition's boundary,
-partitions leaving under a long transaction, and what it refuses."""
+partitions leaving under a long transaction, a row past its time left alone by every change of a key's row,
+and what it refuses."""
 
 from __future__ import annotations
 
@@ -45,9 +46,9 @@ async def database(url: str) -> AsyncIterator[Database]:
         await engine.dispose()
 
 
-def store(database: Database, clock: Clock, *, partitioned: bool = True) -> Inbox:
+def store(database: Database, clock: Clock, *, partitioned: bool = True, tombstones: bool = True) -> Inbox:
     return Inbox(database, lease_seconds=30, retention_seconds=RETENTION.total_seconds(), clock=clock,
-                 tombstone_seconds=TOMBSTONE.total_seconds(), partitioned=partitioned)
+                 tombstone_seconds=TOMBSTONE.total_seconds() if tombstones else 0, partitioned=partitioned)
 
 
 async def partition(database: Database, clock: Clock) -> bool:
@@ -252,8 +253,9 @@ async def _attached(database: Database) -> list[int]:
 async def test_a_worker_on_the_partitioned_inbox(url: str, monkeypatch: pytest.MonkeyPatch,
                                                  capsys: pytest.CaptureFixture[str]) -> None:
     """Refused in one line on the plain table; `consumer-kit db partition-inbox` makes the layout; then a
-    worker's deliveries, on the default path and in one transaction, and their repeats, and its sweep rotating
-    the generation. An app without the setting is refused on the partitioned table."""
+    worker's deliveries, on the default path (with a coordinator session too, ended by the completion) and in
+    one transaction, and their repeats, and its sweep rotating the generation. An app without the setting is
+    refused on the partitioned table."""
     settings = make_settings(url, inbox_partition_seconds=600)
     with pytest.raises(ConfigurationError, match="db partition-inbox"):
         async with ConsumerApp(settings).running():
@@ -266,6 +268,7 @@ async def test_a_worker_on_the_partitioned_inbox(url: str, monkeypatch: pytest.M
     app = ConsumerApp(settings)
     ran: list[str] = []
     two, one = InMemorySource(namespace="two", version=1), InMemorySource(namespace="one", version=1)
+    agent = InMemorySource(namespace="agent", version=1)
 
     @app.handler(two, name="two")
     async def leased(ctx: Context) -> None:
@@ -275,20 +278,27 @@ async def test_a_worker_on_the_partitioned_inbox(url: str, monkeypatch: pytest.M
     async def single(ctx: Context) -> None:
         ran.append(f"one {ctx.delivery.id}")
 
+    @app.handler(agent, name="agent", labels=["research-agent"], task="Prepare")
+    async def with_session(ctx: Context) -> None:
+        assert ctx.session is not None
+        ran.append(f"agent {ctx.delivery.id}")
+
     async with app.running():
-        for source in (two, one):
+        for source in (two, one, agent):
             assert (await source.deliver(id="m-1", body=b"x")).outcome is Outcome.PROCESSED
             assert (await source.deliver(id="m-1", body=b"x")).outcome is Outcome.DUPLICATE
             assert (await source.deliver(id="m-1", body=b"y")).outcome is Outcome.CONFLICT
+        async with app.engine.connect() as conn:
+            assert (await conn.execute(text("SELECT status FROM coordinator_resources"))).scalars().all() == ["ended"]
         async with app.engine.begin() as conn:
             await conn.execute(text("UPDATE inbox_generations SET started_at = started_at - interval '1 hour'"))
         await app.sweep()  # the generation has taken keys for longer than its 600 s: the next one takes over
         assert (await two.deliver(id="m-2", body=b"x")).outcome is Outcome.PROCESSED
         assert (await two.deliver(id="m-1", body=b"x")).outcome is Outcome.DUPLICATE
-    assert ran == ["two m-1", "one m-1", "two m-2"]
+    assert ran == ["two m-1", "one m-1", "agent m-1", "two m-2"]
     database = Database(create_engine(url))
-    try:  # m-1 of both consumers in the first generation, m-2 in the next
-        assert sorted(g for gens in (await rows_by_generation(database)).values() for g in gens) == [1, 1, 2]
+    try:  # m-1 of the three consumers in the first generation, m-2 in the next
+        assert sorted(g for gens in (await rows_by_generation(database)).values() for g in gens) == [1, 1, 1, 2]
     finally:
         await database.close()
         await database.engine.dispose()
@@ -371,3 +381,68 @@ async def test_a_sweep_cancelled_in_its_detach_leaves_the_pool_clean_and_the_nex
         assert await conn.fetchval("SELECT to_regclass('inbox_p0')") is None
         assert await conn.fetchval("SELECT to_regclass('inbox_p1')") is None
         assert not await conn.fetchval("SELECT count(*) FROM pg_inherits WHERE inhdetachpending")
+
+
+async def test_a_row_past_its_time_is_not_changed_as_the_keys_record(database: Database) -> None:
+    """With tombstones on, a key's row past its time without a live lease is its tombstone: the lease that ran
+    out cannot renew, release, park, withdraw or complete it, a parked key's replay cannot reopen it, and a failed
+    attempt's row cannot be parked (on the plain table the sweeper deleted such a row: they find none). So none of
+    them makes it matter again in a generation that may be leaving, its rows that still matter moved on already.
+    The key stays late until its generation leaves, then is new."""
+    clock = Clock()
+    await partition(database, clock)
+    inbox = store(database, clock)
+    lost = await claim(database, inbox, "lapsed")
+    parked = await claim(database, inbox, "parked")
+    async with database.transaction() as ex:
+        assert await inbox.mark_dead(ex, "c", parked.digest, parked.lease_token, reason="poison")
+        assert await inbox.record_failure(ex, "c", [digest("failed")], "fp", namespace="ns", version=1,
+                                          error="boom") == 1
+    before = await _rows(database)
+    clock.now += RETENTION + timedelta(seconds=1)  # the lease ran out long ago, and the rows' retention with it
+    token = lost.lease_token or ""
+    async with database.connect() as ex:
+        assert not await inbox.renew(ex, "c", lost.digest, token)
+        assert not await inbox.release(ex, "c", lost.digest, token)
+        assert not await inbox.mark_dead(ex, "c", lost.digest, token, reason="poison")
+        assert not await inbox.withdraw(ex, "c", lost.digest, token)
+        assert not await inbox.mark_dead(ex, "c", digest("failed"), None, reason="retries_exhausted")
+    assert not await complete(database, inbox, lost)
+    assert await _rows(database) == before
+    for name in ("lapsed", "failed"):
+        assert (await claim(database, inbox, name)).status is ClaimStatus.SWEPT
+    async with database.transaction() as ex:  # the replay of the parked key: a key like any other again
+        assert not await inbox.reopen(ex, "c", [parked.digest])
+    assert (await claim(database, inbox, "parked")).status is ClaimStatus.ACQUIRED
+    await inbox.sweep()  # rotates
+    clock.now += RETENTION + TOMBSTONE
+    assert await inbox.sweep() == 3  # generation 1 leaves with its three rows, all past their time
+    assert (await claim(database, inbox, "lapsed")).status is ClaimStatus.ACQUIRED
+
+
+async def test_without_tombstones_a_lapsed_started_row_gives_way_to_a_new_claim(database: Database) -> None:
+    """With tombstones off (LATE_DELIVERY_POLICY=process) a started row past its time without a live lease is one
+    the plain table's sweeper deletes, and nothing here takes it over where it is (its generation may be leaving):
+    the claim that meets it, on each path, deletes it and writes the key anew in the current generation; the
+    lease that ran out cannot complete."""
+    clock = Clock()
+    await partition(database, clock)
+    inbox = store(database, clock, tombstones=False)
+    lost = await claim(database, inbox, "leased")
+    async with database.transaction() as ex:
+        await inbox.record_failure(ex, "c", [digest("single")], "fp", namespace="ns", version=1, error="boom")
+    clock.now += PARTITION
+    await inbox.sweep()  # rotates: generation 2 takes the new keys
+    clock.now += RETENTION
+    assert not await complete(database, inbox, lost)
+    again = await claim(database, inbox, "leased")
+    assert (again.status, again.attempts, again.took_over) == (ClaimStatus.ACQUIRED, 1, False)
+    assert await complete(database, inbox, again)
+    single = await claim_completed(database, inbox, "single")
+    assert (single.status, single.attempts) == (ClaimStatus.ACQUIRED, 1)
+    assert await rows_by_generation(database) == {"leased": [2], "single": [2]}
+
+
+async def _rows(database: Database) -> list[tuple[object, ...]]:
+    async with (await database.pool()).acquire() as conn:
+        return [tuple(r) for r in await conn.fetch("SELECT * FROM inbox ORDER BY key_digest")]
