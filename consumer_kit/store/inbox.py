@@ -246,7 +246,8 @@ class Inbox:
         inserted = await self._dialect.insert_completed(ex, consumer, keys, {
             "outcome": outcome, "now": now, "expires_at": now + self.retention, "tombstones": self.tombstones})
         others = [k.digest for k in keys if k.digest not in inserted]
-        found = await self._dialect.rows(ex, consumer, others) if others else {}
+        found = await self._dialect.rows(ex, {"consumer": consumer, "key_digests": others, "now": now,
+                                               "tombstones": self.tombstones}) if others else {}
         claims = []
         for k in keys:
             row = found.get(k.digest)

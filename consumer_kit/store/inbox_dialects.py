@@ -105,8 +105,8 @@ class Dialect(Protocol):
         """A failed single-transaction attempt counted on the key's started row, or that row made; the
         attempts so far, ``None`` when the key's row is not started (finished or parked meanwhile)."""
 
-    async def rows(self, ex: Executor, consumer: str, digests: Sequence[str]) -> dict[str, Row]:
-        """The rows of ``digests``, by digest."""
+    async def rows(self, ex: Executor, params: Mapping[str, Any]) -> dict[str, Row]:
+        """The rows of ``params["key_digests"]``, by digest."""
 
     async def complete_ending(self, ex: Executor, params: Mapping[str, Any], ending: Ending) -> bool:
         """The completion that also ends the coordinator's session (``Ending.ended``)."""
@@ -156,9 +156,8 @@ class Postgres(_PlainKeys):
             "namespaces": [k.namespace for k in keys], "versions": [k.version for k in keys],
             "fingerprints": [k.fingerprint for k in keys]})}
 
-    async def rows(self, ex: Executor, consumer: str, digests: Sequence[str]) -> dict[str, Row]:
-        return {row["key_digest"]: row for row in await ex.fetch_all(
-            sql.LOOKUP_MANY, {"consumer": consumer, "key_digests": list(digests)})}
+    async def rows(self, ex: Executor, params: Mapping[str, Any]) -> dict[str, Row]:
+        return {row["key_digest"]: row for row in await ex.fetch_all(self.sql.lookup_many, params)}
 
     async def complete_ending(self, ex: Executor, params: Mapping[str, Any], ending: Ending) -> bool:
         row = await ex.fetch_one(self.sql.complete_ending, {**params, **ending.params})
@@ -197,10 +196,10 @@ class Sqlite(_PlainKeys):
                 inserted.add(k.digest)
         return inserted
 
-    async def rows(self, ex: Executor, consumer: str, digests: Sequence[str]) -> dict[str, Row]:
+    async def rows(self, ex: Executor, params: Mapping[str, Any]) -> dict[str, Row]:
         found = {}
-        for digest in digests:
-            row = await ex.fetch_one(sql.LOOKUP, {"consumer": consumer, "key_digest": digest})
+        for digest in params["key_digests"]:
+            row = await ex.fetch_one(sql.LOOKUP, {"consumer": params["consumer"], "key_digest": digest})
             if row is not None:
                 found[digest] = row
         return found
@@ -254,7 +253,11 @@ class Partitioned(Postgres):
 
     async def insert_completed(self, ex: Executor, consumer: str, keys: Sequence[BatchKey],
                                params: Mapping[str, Any]) -> set[str]:
-        raise ConfigurationError(NOT_YET.format(what="batches"))
+        row = await _guarded(ex)(partitions.CLAIM_BATCH, {
+            **params, "consumer": consumer, "key_digests": [k.digest for k in keys],
+            "namespaces": [k.namespace for k in keys], "versions": [k.version for k in keys],
+            "fingerprints": [k.fingerprint for k in keys]})
+        return set(row["inserted"])
 
     async def sweep(self, ex: Executor, params: Mapping[str, Any]) -> tuple[int, datetime | None]:
         raise AssertionError("the partitioned inbox is swept by partitions.maintain")

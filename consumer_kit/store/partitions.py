@@ -109,13 +109,9 @@ async def layout(conn: asyncpg.Connection) -> str:
     return {None: "missing", "p": "partitioned"}.get(kind, "plain")
 
 
-async def check_layout(database: Database, seconds: float, *, batched: bool = False) -> None:
+async def check_layout(database: Database, seconds: float) -> None:
     """Refuse, in one line, a database whose inbox is not in the layout ``INBOX_PARTITION_SECONDS`` asks for
-    (``seconds``: 0 for the plain table), or ``batched`` handlers on the partitioned one; on the partitioned
-    one, keep its generations' length."""
-    if seconds and batched:
-        raise ConfigurationError("batch= handlers do not run on the partitioned inbox yet"
-                                 " (INBOX_PARTITION_SECONDS): use the plain table for them")
+    (``seconds``: 0 for the plain table); on the partitioned one, keep its generations' length."""
     if seconds and not database.asyncpg:
         raise ConfigurationError("INBOX_PARTITION_SECONDS needs PostgreSQL on asyncpg (postgresql+asyncpg://);"
                                  " set it to 0 here")
@@ -424,6 +420,27 @@ INSERT_COMPLETED = Statement(
     f" AND NOT (CAST(:tombstones AS boolean) AND EXISTS ({_OLD_TOMB}))"
     " ON CONFLICT (consumer, key_digest, generation) DO NOTHING RETURNING 1)"
     f" SELECT (SELECT count(*) FROM ins) AS inserted, {_STALE}"
+)
+# A batch's claim, in the batch's transaction: each new key written completed into the current generation
+# where no partition has it (and the old table no tombstone), under one guard for the batch; ``inserted``: the
+# digests written. Each key is probed through the key index by a LATERAL ... LIMIT 1, as on the plain table
+# (a join over the array is planned, on an empty table, as a scan of the consumer's rows).
+CLAIM_BATCH = Statement(
+    f"WITH {_GEN}, ins AS (INSERT INTO inbox (consumer, key_digest, namespace, version, fingerprint, state,"
+    " attempts, outcome, created_at, updated_at, expires_at, generation)"
+    " SELECT CAST(:consumer AS varchar), k.key_digest, k.namespace, k.version, k.fingerprint, 'completed', 1,"
+    " CAST(:outcome AS varchar), CAST(:now AS timestamptz), CAST(:now AS timestamptz),"
+    " CAST(:expires_at AS timestamptz), gen.g"
+    " FROM gen CROSS JOIN unnest(CAST(:key_digests AS varchar[]), CAST(:namespaces AS varchar[]),"
+    " CAST(:versions AS integer[]), CAST(:fingerprints AS varchar[])) AS k(key_digest, namespace, version,"
+    " fingerprint)"
+    " LEFT JOIN LATERAL (SELECT 1 AS found FROM inbox i WHERE i.consumer = CAST(:consumer AS varchar)"
+    " AND i.key_digest = k.key_digest LIMIT 1) seen ON true"
+    " LEFT JOIN LATERAL (SELECT 1 AS found FROM inbox_tombstones t WHERE t.consumer = CAST(:consumer AS varchar)"
+    " AND t.key_digest = k.key_digest AND CAST(:tombstones AS boolean) LIMIT 1) tomb ON true"
+    " WHERE gen.g IS NOT NULL AND seen.found IS NULL AND tomb.found IS NULL"
+    " ON CONFLICT (consumer, key_digest, generation) DO NOTHING RETURNING key_digest)"
+    f" SELECT ARRAY(SELECT key_digest FROM ins) AS inserted, {_STALE}"
 )
 # After a failed single-transaction attempt: the started row counted where it is, or inserted.
 RECORD_FAILURE = Statement(

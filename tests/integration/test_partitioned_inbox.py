@@ -1,7 +1,7 @@
 """The partitioned inbox (PostgreSQL on asyncpg): made from the plain table with its rows, one row a key
-across partitions under concurrent claims and rotations, the dedup window at a partition's boundary,
-partitions leaving under a long transaction, a row past its time left alone by every change of a key's row,
-and what it refuses."""
+across partitions under concurrent claims (single and batched) and rotations, the dedup window at a
+partition's boundary, partitions leaving under a long transaction, a row past its time left alone by every
+change of a key's row, batch handlers through the app, and what it refuses."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ import asyncpg
 import pytest
 from sqlalchemy import text
 
-from consumer_kit import Batch, ConfigurationError, ConsumerApp, Context, Outcome
+from consumer_kit import Batch, ConfigurationError, ConsumerApp, Context, OperationKey, Outcome, RetryableError
 from consumer_kit.cli import main
 from consumer_kit.http.idempotency import IdempotencyKey
-from consumer_kit.store import Claim, ClaimStatus, Database, Inbox, create_engine, partitions
+from consumer_kit.store import BatchKey, Claim, ClaimStatus, Database, Inbox, create_engine, partitions
 from consumer_kit.testing import InMemorySource
 from tests.clock import Clock
 from tests.conftest import TEST_HMAC_KEY, make_settings, migrated_database
@@ -70,6 +70,12 @@ async def claim_completed(database: Database, inbox: Inbox, name: str) -> Claim:
     async with database.transaction() as ex:
         return await inbox.claim_completed(ex, "c", [digest(name)], "fp", namespace="ns", version=1,
                                            outcome="processed")
+
+
+async def claim_batch(database: Database, inbox: Inbox, names: list[str]) -> list[Claim]:
+    async with database.transaction() as ex:
+        return await inbox.claim_batch(ex, "c", [BatchKey(digest(n), "ns", 1, "fp") for n in names],
+                                       outcome="processed")
 
 
 def digest(name: str) -> str:
@@ -147,6 +153,157 @@ async def test_one_key_is_one_row_under_concurrent_claims_and_rotations(database
     assert [name for name in names if len(rows[name]) != 1] == []
     assert rotations >= 10, rotations
     assert len({generations[0] for generations in rows.values()}) >= 5  # the keys straddle partitions
+
+
+async def test_one_key_is_one_row_under_batches_and_single_claims_and_rotations(database: Database) -> None:
+    """Batches of the same keys (each a transaction of one statement, in chunks of three sizes) against single
+    claims on both paths, a dozen keys at a time so that every claimer meets the others on each key, while the
+    generation rotates as fast as it can: every key is acquired once and has one row. (With the batch's
+    statement unguarded, its generation read without the rotation's check, keys had two rows in every run.)"""
+    clock = Clock()
+    await partition(database, clock)
+    inbox = store(database, clock)
+    names = [f"k{i:04d}" for i in range(400)]
+    acquired: dict[str, int] = dict.fromkeys(names, 0)
+    rotations = 0
+    running = True
+
+    async def rotate() -> None:
+        nonlocal rotations
+        async with (await database.pool()).acquire() as conn:
+            while running:
+                await partitions.make_ahead(conn)
+                rotations += await partitions.rotate(conn, clock()) is not None
+                await asyncio.sleep(0.005)
+
+    async def batches(keys: list[str], size: int) -> None:
+        for start in range(0, len(keys), size):  # in the others' order (two batches never wait for each other)
+            chunk = keys[start:start + size]
+            for name, found in zip(chunk, await claim_batch(database, inbox, chunk), strict=True):
+                acquired[name] += found.acquired and found.attempts == 1
+
+    async def singles(keys: list[str], way: str) -> None:
+        for name in keys:
+            if way == "leased":
+                found: Claim | None = await claim(database, inbox, name)
+                if found is not None and found.acquired:
+                    assert await complete(database, inbox, found)
+            else:
+                found = await claim_completed(database, inbox, name)
+            acquired[name] += found is not None and found.acquired
+
+    rotator = asyncio.create_task(rotate())
+    try:
+        for start in range(0, len(names), 12):  # claimers that keep together meet on each key
+            keys = names[start:start + 12]
+            await asyncio.gather(batches(keys, 12), batches(keys, 5), batches(keys, 3), singles(keys, "leased"),
+                                 singles(keys, "completed"), singles(keys, "completed"), singles(keys, "leased"))
+    finally:
+        running = False
+        await rotator
+    assert [name for name, times in acquired.items() if times != 1] == []
+    rows = await rows_by_generation(database)
+    assert [name for name in names if len(rows[name]) != 1] == []
+    assert rotations >= 10, rotations
+    assert len({generations[0] for generations in rows.values()}) >= 5  # the keys straddle partitions
+
+
+async def test_batch_handlers_on_the_partitioned_inbox(database: Database, url: str) -> None:
+    """A batch= handler on the partitioned inbox, as on the plain table: new keys run once (a key twice in one
+    batch too); their repeats in later batches are duplicates, after a rotation too (their rows in the generation
+    before); late keys (the old table's tombstone, a row past its retention) are parked as
+    arrived_after_retention; a key an earlier failed attempt left started runs again, out of the batch. Every key
+    has one row, in the generation that was current when it was first claimed."""
+    clock = Clock()
+    await partition(database, clock)
+    settings = make_settings(url, inbox_partition_seconds=PARTITION.total_seconds(),
+                             inbox_retention_seconds=int(RETENTION.total_seconds()),
+                             inbox_tombstone_seconds=int(TOMBSTONE.total_seconds()), retry_attempts=1)
+    async with (await database.pool()).acquire() as conn:
+        await conn.execute("CREATE TABLE effects (id varchar(20) NOT NULL)")
+
+    def build(*, failing: bool) -> tuple[ConsumerApp, InMemorySource]:
+        app = ConsumerApp(settings, clock=clock)
+        source = InMemorySource(namespace="b", version=1)
+
+        @app.handler(source, name="b", single_transaction=True, batch=Batch(max_size=16, max_wait_ms=20))
+        async def handle(ctx: Context) -> None:
+            if failing and ctx.delivery.id == "flaky":
+                raise RetryableError("not yet")
+            await ctx.db.execute(text("INSERT INTO effects (id) VALUES (:id)"), {"id": ctx.delivery.id})
+
+        return app, source
+
+    async def deliver(source: InMemorySource, *ids: str) -> list[tuple[Outcome, str | None]]:
+        results = await asyncio.gather(*(source.deliver(id=i, body=b"x") for i in ids))
+        return [(r.outcome, r.reason if r.outcome is Outcome.DEAD_LETTERED else None) for r in results]
+
+    processed, duplicate = (Outcome.PROCESSED, None), (Outcome.DUPLICATE, None)
+    late = (Outcome.DEAD_LETTERED, "arrived_after_retention")
+    app, source = build(failing=True)
+    async with app.running():
+        first = await deliver(source, "m-1", "m-2", "m-3", "m-1", "flaky")
+        assert sorted(first[::3], key=str) == sorted([processed, duplicate], key=str)  # m-1 twice in one batch
+        assert first[1:3] == [processed, processed] and first[4] == (Outcome.RETRY, None)
+        assert await deliver(source, "m-1", "m-2", "m-4") == [duplicate, duplicate, processed]
+        clock.now += PARTITION
+        await app.sweep()  # rotates: the next generation takes the new keys
+        assert await deliver(source, "m-1", "m-4", "m-5") == [duplicate, duplicate, processed]
+        consumer = app.specs[0].consumer
+        old = settings.digester().candidates(OperationKey("b", 1, "m-old"))[0]
+        async with app.engine.begin() as conn:  # a tombstone the plain table's sweeper left
+            await conn.execute(text("INSERT INTO inbox_tombstones (consumer, key_digest, swept_at, expires_at)"
+                                    " VALUES (:c, :d, :now, :until)"),
+                               {"c": consumer, "d": old, "now": clock.now, "until": clock.now + TOMBSTONE})
+        assert await deliver(source, "m-old", "m-6") == [late, processed]
+    again, source = build(failing=False)  # a new process: it does not know flaky failed in a batch
+    async with again.running():
+        assert await deliver(source, "flaky", "m-7") == [processed, processed]
+        clock.now += RETENTION - PARTITION / 2  # past the first generation's rows' retention only
+        assert await deliver(source, "m-2", "m-5", "m-8", "m-8") in (
+            [late, duplicate, processed, duplicate], [late, duplicate, duplicate, processed])
+    async with (await database.pool()).acquire() as conn:
+        effects = sorted(r["id"] for r in await conn.fetch("SELECT id FROM effects"))
+    assert effects == ["flaky", "m-1", "m-2", "m-3", "m-4", "m-5", "m-6", "m-7", "m-8"]  # each once
+    rows = await rows_by_generation(database)
+    assert sorted(map(len, rows.values())) == [1] * 9  # every key one row (m-old none)
+    assert sorted(g for (g,) in rows.values()) == [1, 1, 1, 1, 1, 2, 2, 2, 2]  # flaky first failed in 1
+
+
+async def test_a_batch_claim_cancelled_while_it_waits_leaves_the_pool_clean(database: Database) -> None:
+    """A batch's claim waiting for another transaction's insert of one of its keys, cancelled (its caller gone):
+    its transaction rolls back, its connection goes back without it or the rotation lock, and the keys are claimed
+    once the other transaction has ended."""
+    clock = Clock()
+    await partition(database, clock)
+    inbox = store(database, clock)
+    pool = await database.pool()
+    async with database.connect() as other, other.begin():
+        assert (await inbox.claim_completed(other, "c", [digest("b")], "fp", namespace="ns", version=1,
+                                            outcome="processed")).acquired
+        waiting = asyncio.create_task(claim_batch(database, inbox, ["a", "b", "c"]))
+        for _ in range(250):  # until the batch's statement waits for the other's row
+            async with pool.acquire() as conn:
+                if await conn.fetchval("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+                                       " AND wait_event_type = 'Lock'"):
+                    break
+            await asyncio.sleep(0.02)
+        else:
+            raise AssertionError("the batch did not wait")
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+    async with pool.acquire() as conn:
+        assert await conn.fetchval("SELECT count(*) FROM pg_locks l JOIN pg_database d ON d.oid = l.database"
+                                   " WHERE l.locktype = 'advisory' AND d.datname = current_database()") == 0
+        assert await conn.fetchval("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+                                   " AND state LIKE 'idle in transaction%'") == 0
+        assert await partitions.rotate(conn, clock()) == 2  # nothing holds the rotation back
+    claims = await claim_batch(database, inbox, ["a", "b", "c"])
+    assert [(c.status, c.attempts) for c in claims] == [
+        (ClaimStatus.ACQUIRED, 1), (ClaimStatus.COMPLETED, 1), (ClaimStatus.ACQUIRED, 1)]
+    assert await rows_by_generation(database) == {"b": [1], "a": [2], "c": [2]}
+
 
 
 async def test_a_key_is_known_for_its_retention_then_late_until_its_partition_leaves(database: Database) -> None:
@@ -304,16 +461,6 @@ async def test_a_worker_on_the_partitioned_inbox(url: str, monkeypatch: pytest.M
         await database.engine.dispose()
     with pytest.raises(ConfigurationError, match="idempotent endpoints do not run on the partitioned inbox"):
         IdempotencyKey(app, namespace="orders", version=1)
-    batched = ConsumerApp(settings)
-
-    @batched.handler(InMemorySource(namespace="b", version=1), name="b", single_transaction=True,
-                     batch=Batch(max_size=8, max_wait_ms=5))
-    async def each(ctx: Context) -> None:
-        ran.append("never")
-
-    with pytest.raises(ConfigurationError, match="batch= handlers do not run on the partitioned inbox"):
-        async with batched.running():
-            pass
     with pytest.raises(ConfigurationError, match="set INBOX_PARTITION_SECONDS"):
         async with ConsumerApp(make_settings(url, inbox_partition_seconds=0)).running():
             pass
