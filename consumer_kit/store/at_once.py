@@ -13,6 +13,11 @@ that is already in the inbox fails the statement on the inbox's primary key, and
 So does a tombstone, on the tombstones' primary key: the first CTE writes a tombstone again where one
 exists, which is how a statement that must write nothing says "this key was swept". (A tombstone only
 comes from sweeping a row; the key's own row is checked by its insert.)
+
+The plain inbox only: on the partitioned one (:mod:`~consumer_kit.store.partitions`) a unique index holds
+within one partition, so a key written in an earlier generation would not fail the statement, and the
+route's write would be made twice. Staged handlers and endpoints take the transaction path there, whose
+insert looks in every generation.
 """
 
 from __future__ import annotations
@@ -22,8 +27,6 @@ import json
 import re
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
-
-from consumer_kit.errors import ConfigurationError
 
 if TYPE_CHECKING:
     from consumer_kit.store.executor import Executor
@@ -78,7 +81,7 @@ async def write_at_once(ex: Executor, inbox: Inbox, consumer: str, digest: str, 
     import asyncpg
 
     if inbox.partitioned:
-        raise ConfigurationError("the partitioned inbox takes no key in a staged statement: the transaction path")
+        raise ValueError("the partitioned inbox takes no key in a staged statement: use the transaction path")
     driver = ex.driver
     assert driver is not None, "PostgreSQL on asyncpg only"
     now = inbox.clock()

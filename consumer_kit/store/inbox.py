@@ -18,12 +18,11 @@ from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from consumer_kit.errors import ConfigurationError
-from consumer_kit.store import partitions, sql
+from consumer_kit.store import partitions
 from consumer_kit.store.claims import BatchKey, Claim, ClaimStatus, Clock, claimable, utcnow, verdict
 from consumer_kit.store.connections import Database
 from consumer_kit.store.executor import Executor, Row
-from consumer_kit.store.inbox_dialects import NOT_YET, Dialect, Partitioned, Postgres, Sqlite, Statements
+from consumer_kit.store.inbox_dialects import Dialect, Partitioned, Postgres, Sqlite, Statements
 from consumer_kit.store.pace import Pace
 from consumer_kit.store.receipts import Creation, Ending
 
@@ -198,14 +197,12 @@ class Inbox:
         earlier attempt left started and free (``carried``: that row); else what holds the key, ``SWEPT``
         for a tombstone, and ``IN_PROGRESS`` while another transaction holds it (PostgreSQL: the key's
         advisory lock, not waited for; on SQLite the one writer made the others wait at ``BEGIN``)."""
-        if self.partitioned:
-            raise ConfigurationError(NOT_YET.format(what="idempotent endpoints"))
         existing: Row | None = None
         swept = False
         rest = digests
         if self.database.can.writes_in_claim:
-            row = await ex.fetch_one(sql.LOCK_AND_LOOK, {"consumer": consumer, "key_digest": digests[0],
-                                                         "tombstones": self.tombstones})
+            row = await ex.fetch_one(self.statements.lock_and_look, {
+                "consumer": consumer, "key_digest": digests[0], "tombstones": self.tombstones, "now": self.clock()})
             assert row is not None
             existing, swept = (row if row["state"] is not None else None), bool(row["tombstoned"])
             if not row["locked"]:
@@ -217,9 +214,13 @@ class Inbox:
             existing = await self.lookup(ex, consumer, rest)
             swept = swept or (existing is None and await self._swept(ex, consumer, rest))
         if existing is not None:
-            if not claimable(existing, fingerprint, self.clock()):
+            now = self.clock()
+            if not claimable(existing, fingerprint, now):
                 return verdict(existing, fingerprint)
-            return Claim(ClaimStatus.ACQUIRED, existing["key_digest"], int(existing["attempts"]) + 1, carried=existing)
+            if not await self._dialect.drop_lapsed(ex, {"consumer": consumer, "key_digest": existing["key_digest"],
+                                                        "now": now, "tombstones": self.tombstones}):
+                return Claim(ClaimStatus.ACQUIRED, existing["key_digest"], int(existing["attempts"]) + 1,
+                             carried=existing)
         return Claim(ClaimStatus.SWEPT if swept else ClaimStatus.ACQUIRED, digests[0], 0 if swept else 1)
 
     async def finish_held(self, ex: Executor, consumer: str, claim: Claim, fingerprint: str, *, namespace: str,
@@ -233,7 +234,7 @@ class Inbox:
                   "expires_at": now + self.retention, "tombstones": self.tombstones}
         if claim.carried is not None:
             return await ex.fetch_one(self.statements.finish_started_with_result, params) is not None
-        return await ex.execute(sql.INSERT_COMPLETED_WITH_RESULT, params) == 1
+        return await self._dialect.insert_one(ex, params)
 
     async def claim_batch(self, ex: Executor, consumer: str, keys: Sequence[BatchKey], *,
                           outcome: str) -> list[Claim]:

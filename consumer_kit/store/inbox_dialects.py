@@ -26,6 +26,7 @@ class Statements:
     tombstone: sql.Statement
     renew: sql.Statement
     forget_tombstone: sql.Statement
+    lock_and_look: sql.Statement
     complete: sql.Statement
     complete_with_result: sql.Statement
     complete_ending: sql.Statement
@@ -40,13 +41,13 @@ class Statements:
 
 
 PLAIN = Statements(
-    sql.LOOKUP, sql.LOOKUP_MANY, sql.TOMBSTONE, sql.RENEW, sql.FORGET_TOMBSTONE, sql.COMPLETE,
+    sql.LOOKUP, sql.LOOKUP_MANY, sql.TOMBSTONE, sql.RENEW, sql.FORGET_TOMBSTONE, sql.LOCK_AND_LOOK, sql.COMPLETE,
     sql.COMPLETE_WITH_RESULT, sql.COMPLETE_ENDING_SESSION, sql.RELEASE, sql.WITHDRAW, sql.MARK_DEAD,
     sql.MARK_DEAD_UNLEASED, sql.FINISH_STARTED, sql.FINISH_STARTED_WITH_RESULT, sql.REOPEN_PARKED,
     sql.REOPEN_WITH_FINGERPRINT)
 PARTITIONED = Statements(
     partitions.LOOKUP, partitions.LOOKUP_MANY, partitions.TOMBSTONE, partitions.RENEW, partitions.FORGET_TOMBSTONE,
-    partitions.COMPLETE, partitions.COMPLETE_WITH_RESULT, partitions.COMPLETE_ENDING_SESSION,
+    partitions.LOCK_AND_LOOK, partitions.COMPLETE, partitions.COMPLETE_WITH_RESULT, partitions.COMPLETE_ENDING_SESSION,
     partitions.RELEASE, partitions.WITHDRAW, partitions.MARK_DEAD, partitions.MARK_DEAD_UNLEASED,
     partitions.FINISH_STARTED, partitions.FINISH_STARTED_WITH_RESULT, partitions.REOPEN_PARKED,
     partitions.REOPEN_WITH_FINGERPRINT)
@@ -93,8 +94,8 @@ class Dialect(Protocol):
         """A batch's new keys written completed; the digests written."""
 
     async def insert_one(self, ex: Executor, params: Mapping[str, Any]) -> bool:
-        """One new key's row written completed, in ``ex``'s transaction; ``False``: the key has a row (or a
-        tombstone)."""
+        """One new key's row written completed (with ``result`` when ``params`` has one: an endpoint's
+        response), in ``ex``'s transaction; ``False``: the key has a row (or a tombstone)."""
 
     async def drop_lapsed(self, ex: Executor, params: Mapping[str, Any]) -> bool:
         """Delete the key's started row if it is past its time, without a live lease, and tombstones are
@@ -122,7 +123,8 @@ class _PlainKeys:
     """A key's row on the plain table, which keeps it unique by itself (its primary key)."""
 
     async def insert_one(self, ex: Executor, params: Mapping[str, Any]) -> bool:
-        return await ex.execute(sql.INSERT_COMPLETED, params) == 1
+        statement = sql.INSERT_COMPLETED_WITH_RESULT if "result" in params else sql.INSERT_COMPLETED
+        return await ex.execute(statement, params) == 1
 
     async def drop_lapsed(self, ex: Executor, params: Mapping[str, Any]) -> bool:
         return False  # the sweeper deletes such a row, or a claim takes it over
@@ -242,7 +244,7 @@ class Partitioned(Postgres):
                                                     took_over=row["inbox_locked_until"] is not None)
 
     async def insert_one(self, ex: Executor, params: Mapping[str, Any]) -> bool:
-        return int((await _guarded(ex)(partitions.INSERT_COMPLETED, params))["inserted"]) == 1
+        return int((await _guarded(ex)(partitions.INSERT_COMPLETED, {"result": None, **params}))["inserted"]) == 1
 
     async def drop_lapsed(self, ex: Executor, params: Mapping[str, Any]) -> bool:
         return not params["tombstones"] and await ex.execute(partitions.DROP_LAPSED, params) == 1

@@ -409,13 +409,14 @@ TAKEOVER = Statement(  # its expiry kept at least as late as the lease: a leavin
 DROP_LAPSED = Statement(
     "DELETE FROM inbox WHERE consumer = :consumer AND key_digest = :key_digest AND state = 'started'"
     " AND expires_at <= :now AND (locked_until IS NULL OR locked_until <= :now)")
-# The single-transaction claim's insert, in the handler's transaction: the row written completed when no
-# partition has the key; ``inserted`` 0 otherwise (the caller looks it up, as on the plain table).
+# The single-transaction claim's insert, in the handler's (or an endpoint's) transaction: the row written
+# completed, with ``result`` (an endpoint's response; NULL for a delivery), when no partition has the key;
+# ``inserted`` 0 otherwise (the caller looks it up, as on the plain table).
 INSERT_COMPLETED = Statement(
     f"WITH {_GEN}, ins AS (INSERT INTO inbox (consumer, key_digest, namespace, version, fingerprint, state,"
-    " attempts, outcome, created_at, updated_at, expires_at, generation)"
+    " attempts, outcome, result, created_at, updated_at, expires_at, generation)"
     " SELECT CAST(:consumer AS varchar), CAST(:key_digest AS varchar), :namespace, :version, :fingerprint,"
-    " 'completed', 1, :outcome, :now, :now, :expires_at, gen.g FROM gen"
+    " 'completed', 1, :outcome, CAST(:result AS json), :now, :now, :expires_at, gen.g FROM gen"
     f" WHERE gen.g IS NOT NULL AND NOT EXISTS ({_ANY_ROW})"
     f" AND NOT (CAST(:tombstones AS boolean) AND EXISTS ({_OLD_TOMB}))"
     " ON CONFLICT (consumer, key_digest, generation) DO NOTHING RETURNING 1)"
@@ -456,6 +457,13 @@ RECORD_FAILURE = Statement(
     " SELECT (SELECT attempts FROM counted UNION ALL SELECT attempts FROM inserted LIMIT 1) AS attempts,"
     f" {_STALE}"
 )
+# An idempotent endpoint's single transaction (sql.LOCK_AND_LOOK): the key's advisory lock (the plain one's, its
+# text up to the tombstone), the key's live row as this statement's snapshot sees it, and whether the key has a
+# tombstone; its row is written at the end by INSERT_COMPLETED (guarded), or FINISH_STARTED_WITH_RESULT for a row
+# an earlier attempt left started.
+LOCK_AND_LOOK = Statement(
+    f"{sql.LOCK_AND_LOOK.sql.partition(', EXISTS')[0]}, CAST(:tombstones AS boolean) AND EXISTS ({TOMBSTONE.sql})"
+    f" AS tombstoned, r.* FROM (SELECT 1) AS one LEFT JOIN ({LOOKUP.sql}) AS r ON true")
 FORGET_TOMBSTONE = Statement(  # the old table's row, or the expired row that is the key's tombstone
     "WITH old AS (DELETE FROM inbox_tombstones WHERE consumer = :consumer AND key_digest = :key_digest)"
     " DELETE FROM inbox WHERE consumer = :consumer AND key_digest = :key_digest AND expires_at <= :now"
