@@ -282,8 +282,7 @@ class ConsumerApp:
             if any(spec.driver == "asyncpg" for spec in self.specs) and not database.asyncpg:
                 raise ConfigurationError("driver='asyncpg' handlers need PostgreSQL on the asyncpg driver; "
                                          f"DATABASE_URL is {engine.dialect.name}+{engine.dialect.driver}")
-            await partitions.check_layout(database, settings.inbox_partition_seconds,
-                                          batched=any(spec.batch for spec in self.specs))
+            await partitions.check_layout(database, settings.inbox_partition_seconds)
         except BaseException:
             await database.close()
             await engine.dispose()

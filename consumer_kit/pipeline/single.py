@@ -7,7 +7,7 @@
     ACK
 
     staged=True (a handler that only stages its writes): the handler first, with nothing held; then
-    one statement staged, PostgreSQL on asyncpg, one HMAC key in use:
+    one statement staged, PostgreSQL on asyncpg, the plain inbox, one HMAC key in use:
         WITH <the key's tombstone>, <the key's row, completed> <the staged statement>   (autocommit)
           written -> ACK;  key taken -> its row decides, as a lookup's would;  swept -> the late policy
           a row a failed attempt left -> as below

@@ -23,6 +23,11 @@ the route's own statement refused, a connection lost), the group's transaction w
 of its writes is sent again alone, where what it meets is its own. A request cancelled while its write
 waits is taken out; one cancelled while its group's write runs cancels that write (nothing of the group
 is written), and the others are sent again alone.
+
+The plain inbox only: on the partitioned one (:mod:`~consumer_kit.store.partitions`) a unique index holds
+within one partition, so a key written in an earlier generation would not fail the statement, and the
+route's write would be made twice. Staged handlers and endpoints take the transaction path there, whose
+insert looks in every generation.
 """
 
 from __future__ import annotations
@@ -34,8 +39,6 @@ import re
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
-
-from consumer_kit.errors import ConfigurationError
 
 if TYPE_CHECKING:
     from consumer_kit.store.executor import Executor
@@ -85,7 +88,7 @@ def _sent(inbox: Inbox, consumer: str, digest: str, fingerprint: str, namespace:
           result: Any, statement: str, args: tuple[Any, ...]) -> tuple[str, tuple[Any, ...]]:
     """The statement to send (``statement`` behind the key's CTEs) and all its arguments."""
     if inbox.partitioned:
-        raise ConfigurationError("the partitioned inbox takes no key in a staged statement: the transaction path")
+        raise ValueError("the partitioned inbox takes no key in a staged statement: use the transaction path")
     now = inbox.clock()
     return _joined(statement, len(args)), (*args, consumer, digest, namespace, version, fingerprint, outcome,
                                            None if result is None else json.dumps(result), now,

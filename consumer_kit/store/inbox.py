@@ -18,13 +18,12 @@ from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from consumer_kit.errors import ConfigurationError
-from consumer_kit.store import partitions, sql
+from consumer_kit.store import partitions
 from consumer_kit.store.at_once import AtOnce, SharedWrites
 from consumer_kit.store.claims import BatchKey, Claim, ClaimStatus, Clock, claimable, utcnow, verdict
 from consumer_kit.store.connections import Database
 from consumer_kit.store.executor import Executor, Row
-from consumer_kit.store.inbox_dialects import NOT_YET, Dialect, Partitioned, Postgres, Sqlite, Statements
+from consumer_kit.store.inbox_dialects import Dialect, Partitioned, Postgres, Sqlite, Statements
 from consumer_kit.store.pace import Pace
 from consumer_kit.store.receipts import Creation, Ending
 
@@ -164,7 +163,8 @@ class Inbox:
             return taken
         # Another claim got there after our statement's snapshot: its committed row decides.
         found = await self.lookup(ex, consumer, [digest])
-        if found is None:  # swept in between: a brand-new key after all
+        if found is None or (claimable(found, fingerprint, now) and await self._dialect.drop_lapsed(ex, params)):
+            # swept in between (or, partitioned, its row lapsed): a brand-new key after all
             return await self.claim(ex, consumer, digests, fingerprint, namespace=namespace, version=version,
                                     creation=creation)
         return verdict(found, fingerprint)
@@ -191,9 +191,12 @@ class Inbox:
             assert existing is not None
         if not claimable(existing, fingerprint, now):
             return verdict(existing, fingerprint)
-        finished = await ex.fetch_one(sql.FINISH_STARTED, {**params, "key_digest": existing["key_digest"]})
+        found = {**params, "key_digest": existing["key_digest"]}
+        finished = await ex.fetch_one(self.statements.finish_started, found)
         if finished is not None:
             return Claim(ClaimStatus.ACQUIRED, existing["key_digest"], int(finished["attempts"]))
+        if await self._dialect.drop_lapsed(ex, found) and await self._dialect.insert_one(ex, params):
+            return Claim(ClaimStatus.ACQUIRED, digests[0], 1)
         # Completed, dead, leased or another request: the row as committed now decides.
         row = await self.lookup(ex, consumer, [existing["key_digest"]])
         assert row is not None
@@ -205,14 +208,12 @@ class Inbox:
         earlier attempt left started and free (``carried``: that row); else what holds the key, ``SWEPT``
         for a tombstone, and ``IN_PROGRESS`` while another transaction holds it (PostgreSQL: the key's
         advisory lock, not waited for; on SQLite the one writer made the others wait at ``BEGIN``)."""
-        if self.partitioned:
-            raise ConfigurationError(NOT_YET.format(what="idempotent endpoints"))
         existing: Row | None = None
         swept = False
         rest = digests
         if self.database.can.writes_in_claim:
-            row = await ex.fetch_one(sql.LOCK_AND_LOOK, {"consumer": consumer, "key_digest": digests[0],
-                                                         "tombstones": self.tombstones})
+            row = await ex.fetch_one(self.statements.lock_and_look, {
+                "consumer": consumer, "key_digest": digests[0], "tombstones": self.tombstones, "now": self.clock()})
             assert row is not None
             existing, swept = (row if row["state"] is not None else None), bool(row["tombstoned"])
             if not row["locked"]:
@@ -224,9 +225,13 @@ class Inbox:
             existing = await self.lookup(ex, consumer, rest)
             swept = swept or (existing is None and await self._swept(ex, consumer, rest))
         if existing is not None:
-            if not claimable(existing, fingerprint, self.clock()):
+            now = self.clock()
+            if not claimable(existing, fingerprint, now):
                 return verdict(existing, fingerprint)
-            return Claim(ClaimStatus.ACQUIRED, existing["key_digest"], int(existing["attempts"]) + 1, carried=existing)
+            if not await self._dialect.drop_lapsed(ex, {"consumer": consumer, "key_digest": existing["key_digest"],
+                                                        "now": now, "tombstones": self.tombstones}):
+                return Claim(ClaimStatus.ACQUIRED, existing["key_digest"], int(existing["attempts"]) + 1,
+                             carried=existing)
         return Claim(ClaimStatus.SWEPT if swept else ClaimStatus.ACQUIRED, digests[0], 0 if swept else 1)
 
     async def finish_held(self, ex: Executor, consumer: str, claim: Claim, fingerprint: str, *, namespace: str,
@@ -239,8 +244,8 @@ class Inbox:
                   "fingerprint": fingerprint, "outcome": outcome, "result": result, "now": now,
                   "expires_at": now + self.retention, "tombstones": self.tombstones}
         if claim.carried is not None:
-            return await ex.fetch_one(sql.FINISH_STARTED_WITH_RESULT, params) is not None
-        return await ex.execute(sql.INSERT_COMPLETED_WITH_RESULT, params) == 1
+            return await ex.fetch_one(self.statements.finish_started_with_result, params) is not None
+        return await self._dialect.insert_one(ex, params)
 
     async def claim_batch(self, ex: Executor, consumer: str, keys: Sequence[BatchKey], *,
                           outcome: str) -> list[Claim]:
@@ -253,7 +258,8 @@ class Inbox:
         inserted = await self._dialect.insert_completed(ex, consumer, keys, {
             "outcome": outcome, "now": now, "expires_at": now + self.retention, "tombstones": self.tombstones})
         others = [k.digest for k in keys if k.digest not in inserted]
-        found = await self._dialect.rows(ex, consumer, others) if others else {}
+        found = await self._dialect.rows(ex, {"consumer": consumer, "key_digests": others, "now": now,
+                                               "tombstones": self.tombstones}) if others else {}
         claims = []
         for k in keys:
             row = found.get(k.digest)
@@ -278,9 +284,9 @@ class Inbox:
                   "now": now, "expires_at": now + self.retention, "keep_from": now + self.retention - self.lease}
         if result is not None:
             assert ending is None, "a stored result and a coordinator ending are not written together"
-            return await ex.execute(sql.COMPLETE_WITH_RESULT, {**params, "result": result}) == 1
+            return await ex.execute(self.statements.complete_with_result, {**params, "result": result}) == 1
         if ending is None:
-            return await ex.execute(sql.COMPLETE, params) == 1
+            return await ex.execute(self.statements.complete, params) == 1
         return await self._dialect.complete_ending(ex, params, ending)
 
     async def renew(self, ex: Executor, consumer: str, digest: str, token: str) -> bool:
@@ -293,15 +299,15 @@ class Inbox:
     async def release(self, ex: Executor, consumer: str, digest: str, token: str, *,
                       error: str | None = None) -> bool:
         """Give a lease back after a failed or abandoned attempt, so the next delivery takes over at once."""
-        return await ex.execute(sql.RELEASE, {
+        return await ex.execute(self.statements.release, {
             "consumer": consumer, "key_digest": digest, "lease_token": token, "now": self.clock(),
             "last_error": error[:500] if error else None}) == 1
 
     async def withdraw(self, ex: Executor, consumer: str, digest: str, token: str) -> bool:
         """Delete the row of a claim we hold whose request turned out invalid before anything ran, so
         that the key is new again (a claim given back with :meth:`release` keeps its fingerprint)."""
-        return await ex.execute(sql.WITHDRAW, {"consumer": consumer, "key_digest": digest,
-                                               "lease_token": token}) == 1
+        return await ex.execute(self.statements.withdraw, {"consumer": consumer, "key_digest": digest,
+                                                           "lease_token": token, "now": self.clock()}) == 1
 
     async def mark_dead(self, ex: Executor, consumer: str, digest: str, token: str | None, *,
                         reason: str) -> bool:
@@ -310,8 +316,8 @@ class Inbox:
         params = {"consumer": consumer, "key_digest": digest, "outcome": reason, "now": now,
                   "expires_at": now + self.retention}
         if token is None:
-            return await ex.execute(sql.MARK_DEAD_UNLEASED, params) == 1
-        return await ex.execute(sql.MARK_DEAD, {**params, "lease_token": token}) == 1
+            return await ex.execute(self.statements.mark_dead_unleased, params) == 1
+        return await ex.execute(self.statements.mark_dead, {**params, "lease_token": token}) == 1
 
     async def record_failure(self, ex: Executor, consumer: str, digests: Sequence[str], fingerprint: str, *,
                              namespace: str, version: int, error: str) -> int:
@@ -356,9 +362,10 @@ class Inbox:
         for digest in digests:
             params = {"consumer": consumer, "key_digest": digest, "now": now, "expires_at": now + self.retention}
             if fingerprint is None:
-                count = await ex.execute(sql.REOPEN_PARKED, params)
+                count = await ex.execute(self.statements.reopen_parked, params)
             else:
-                count = await ex.execute(sql.REOPEN_WITH_FINGERPRINT, {**params, "fingerprint": fingerprint})
+                count = await ex.execute(self.statements.reopen_with_fingerprint,
+                                         {**params, "fingerprint": fingerprint})
             reopened = reopened or count == 1
         await self.forget(ex, consumer, digests)
         return reopened

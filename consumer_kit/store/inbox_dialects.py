@@ -18,18 +18,39 @@ from consumer_kit.store.receipts import Creation, Ending
 @dataclass(frozen=True, slots=True)
 class Statements:
     """The statements :class:`~consumer_kit.store.inbox.Inbox` runs itself whose text depends on the layout
-    (each takes ``now`` and ``tombstones`` besides the key, whether it uses them or not)."""
+    (each takes ``now`` and ``tombstones`` besides its own parameters, whether it uses them or not): the
+    partitioned inbox's look past tombstone rows, and change a key's row only while it is not past its time."""
 
     lookup: sql.Statement
     lookup_many: sql.Statement
     tombstone: sql.Statement
     renew: sql.Statement
     forget_tombstone: sql.Statement
+    lock_and_look: sql.Statement
+    complete: sql.Statement
+    complete_with_result: sql.Statement
+    complete_ending: sql.Statement
+    release: sql.Statement
+    withdraw: sql.Statement
+    mark_dead: sql.Statement
+    mark_dead_unleased: sql.Statement
+    finish_started: sql.Statement
+    finish_started_with_result: sql.Statement
+    reopen_parked: sql.Statement
+    reopen_with_fingerprint: sql.Statement
 
 
-PLAIN = Statements(sql.LOOKUP, sql.LOOKUP_MANY, sql.TOMBSTONE, sql.RENEW, sql.FORGET_TOMBSTONE)
-PARTITIONED = Statements(partitions.LOOKUP, partitions.LOOKUP_MANY, partitions.TOMBSTONE, partitions.RENEW,
-                         partitions.FORGET_TOMBSTONE)
+PLAIN = Statements(
+    sql.LOOKUP, sql.LOOKUP_MANY, sql.TOMBSTONE, sql.RENEW, sql.FORGET_TOMBSTONE, sql.LOCK_AND_LOOK, sql.COMPLETE,
+    sql.COMPLETE_WITH_RESULT, sql.COMPLETE_ENDING_SESSION, sql.RELEASE, sql.WITHDRAW, sql.MARK_DEAD,
+    sql.MARK_DEAD_UNLEASED, sql.FINISH_STARTED, sql.FINISH_STARTED_WITH_RESULT, sql.REOPEN_PARKED,
+    sql.REOPEN_WITH_FINGERPRINT)
+PARTITIONED = Statements(
+    partitions.LOOKUP, partitions.LOOKUP_MANY, partitions.TOMBSTONE, partitions.RENEW, partitions.FORGET_TOMBSTONE,
+    partitions.LOCK_AND_LOOK, partitions.COMPLETE, partitions.COMPLETE_WITH_RESULT, partitions.COMPLETE_ENDING_SESSION,
+    partitions.RELEASE, partitions.WITHDRAW, partitions.MARK_DEAD, partitions.MARK_DEAD_UNLEASED,
+    partitions.FINISH_STARTED, partitions.FINISH_STARTED_WITH_RESULT, partitions.REOPEN_PARKED,
+    partitions.REOPEN_WITH_FINGERPRINT)
 STALE_TRIES = 50
 """How many times a partitioned statement runs while the inbox rotates under it (once is the rule: see
 :mod:`~consumer_kit.store.partitions`)."""
@@ -73,15 +94,20 @@ class Dialect(Protocol):
         """A batch's new keys written completed; the digests written."""
 
     async def insert_one(self, ex: Executor, params: Mapping[str, Any]) -> bool:
-        """One new key's row written completed, in ``ex``'s transaction; ``False``: the key has a row (or a
-        tombstone)."""
+        """One new key's row written completed (with ``result`` when ``params`` has one: an endpoint's
+        response), in ``ex``'s transaction; ``False``: the key has a row (or a tombstone)."""
+
+    async def drop_lapsed(self, ex: Executor, params: Mapping[str, Any]) -> bool:
+        """Delete the key's started row if it is past its time, without a live lease, and tombstones are
+        off: what the plain table's sweeper deletes, and what nothing takes over on the partitioned inbox;
+        whether it did (the key is then a new one)."""
 
     async def record_failure(self, ex: Executor, params: Mapping[str, Any]) -> int | None:
         """A failed single-transaction attempt counted on the key's started row, or that row made; the
         attempts so far, ``None`` when the key's row is not started (finished or parked meanwhile)."""
 
-    async def rows(self, ex: Executor, consumer: str, digests: Sequence[str]) -> dict[str, Row]:
-        """The rows of ``digests``, by digest."""
+    async def rows(self, ex: Executor, params: Mapping[str, Any]) -> dict[str, Row]:
+        """The rows of ``params["key_digests"]``, by digest."""
 
     async def complete_ending(self, ex: Executor, params: Mapping[str, Any], ending: Ending) -> bool:
         """The completion that also ends the coordinator's session (``Ending.ended``)."""
@@ -97,7 +123,11 @@ class _PlainKeys:
     """A key's row on the plain table, which keeps it unique by itself (its primary key)."""
 
     async def insert_one(self, ex: Executor, params: Mapping[str, Any]) -> bool:
-        return await ex.execute(sql.INSERT_COMPLETED, params) == 1
+        statement = sql.INSERT_COMPLETED_WITH_RESULT if "result" in params else sql.INSERT_COMPLETED
+        return await ex.execute(statement, params) == 1
+
+    async def drop_lapsed(self, ex: Executor, params: Mapping[str, Any]) -> bool:
+        return False  # the sweeper deletes such a row, or a claim takes it over
 
     async def record_failure(self, ex: Executor, params: Mapping[str, Any]) -> int | None:
         row = await ex.fetch_one(sql.RECORD_FAILURE, params)
@@ -128,12 +158,11 @@ class Postgres(_PlainKeys):
             "namespaces": [k.namespace for k in keys], "versions": [k.version for k in keys],
             "fingerprints": [k.fingerprint for k in keys]})}
 
-    async def rows(self, ex: Executor, consumer: str, digests: Sequence[str]) -> dict[str, Row]:
-        return {row["key_digest"]: row for row in await ex.fetch_all(
-            sql.LOOKUP_MANY, {"consumer": consumer, "key_digests": list(digests)})}
+    async def rows(self, ex: Executor, params: Mapping[str, Any]) -> dict[str, Row]:
+        return {row["key_digest"]: row for row in await ex.fetch_all(self.sql.lookup_many, params)}
 
     async def complete_ending(self, ex: Executor, params: Mapping[str, Any], ending: Ending) -> bool:
-        row = await ex.fetch_one(sql.COMPLETE_ENDING_SESSION, {**params, **ending.params})
+        row = await ex.fetch_one(self.sql.complete_ending, {**params, **ending.params})
         assert row is not None
         ending.ended = bool(row["ended"])
         return bool(row["completed"] == 1)
@@ -169,10 +198,10 @@ class Sqlite(_PlainKeys):
                 inserted.add(k.digest)
         return inserted
 
-    async def rows(self, ex: Executor, consumer: str, digests: Sequence[str]) -> dict[str, Row]:
+    async def rows(self, ex: Executor, params: Mapping[str, Any]) -> dict[str, Row]:
         found = {}
-        for digest in digests:
-            row = await ex.fetch_one(sql.LOOKUP, {"consumer": consumer, "key_digest": digest})
+        for digest in params["key_digests"]:
+            row = await ex.fetch_one(sql.LOOKUP, {"consumer": params["consumer"], "key_digest": digest})
             if row is not None:
                 found[digest] = row
         return found
@@ -193,9 +222,10 @@ class Sqlite(_PlainKeys):
 
 
 class Partitioned(Postgres):
-    """The partitioned inbox (:mod:`consumer_kit.store.partitions`): the claim inserts a key only where no
-    partition has it, under the rotation's check; a tombstone is an expired row until its partition
-    leaves; retention is :func:`~consumer_kit.store.partitions.maintain`, not row deletes."""
+    """The partitioned inbox (:mod:`consumer_kit.store.partitions`): every statement that inserts a key
+    inserts it only where no partition has it, under the rotation's check (run again when it says ``stale``);
+    a tombstone is an expired row until its partition leaves, and no statement changes such a row as if it
+    were the key's record; retention is :func:`~consumer_kit.store.partitions.maintain`, not row deletes."""
 
     sql = PARTITIONED
 
@@ -214,7 +244,10 @@ class Partitioned(Postgres):
                                                     took_over=row["inbox_locked_until"] is not None)
 
     async def insert_one(self, ex: Executor, params: Mapping[str, Any]) -> bool:
-        return int((await _guarded(ex)(partitions.INSERT_COMPLETED, params))["inserted"]) == 1
+        return int((await _guarded(ex)(partitions.INSERT_COMPLETED, {"result": None, **params}))["inserted"]) == 1
+
+    async def drop_lapsed(self, ex: Executor, params: Mapping[str, Any]) -> bool:
+        return not params["tombstones"] and await ex.execute(partitions.DROP_LAPSED, params) == 1
 
     async def record_failure(self, ex: Executor, params: Mapping[str, Any]) -> int | None:
         attempts = (await _guarded(ex)(partitions.RECORD_FAILURE, params))["attempts"]
@@ -222,7 +255,11 @@ class Partitioned(Postgres):
 
     async def insert_completed(self, ex: Executor, consumer: str, keys: Sequence[BatchKey],
                                params: Mapping[str, Any]) -> set[str]:
-        raise ConfigurationError(NOT_YET.format(what="batches"))
+        row = await _guarded(ex)(partitions.CLAIM_BATCH, {
+            **params, "consumer": consumer, "key_digests": [k.digest for k in keys],
+            "namespaces": [k.namespace for k in keys], "versions": [k.version for k in keys],
+            "fingerprints": [k.fingerprint for k in keys]})
+        return set(row["inserted"])
 
     async def sweep(self, ex: Executor, params: Mapping[str, Any]) -> tuple[int, datetime | None]:
         raise AssertionError("the partitioned inbox is swept by partitions.maintain")

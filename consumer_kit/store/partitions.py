@@ -49,6 +49,7 @@ from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from consumer_kit.errors import ConfigurationError
+from consumer_kit.store import sql
 from consumer_kit.store.sql import Statement
 
 if TYPE_CHECKING:
@@ -108,13 +109,9 @@ async def layout(conn: asyncpg.Connection) -> str:
     return {None: "missing", "p": "partitioned"}.get(kind, "plain")
 
 
-async def check_layout(database: Database, seconds: float, *, batched: bool = False) -> None:
+async def check_layout(database: Database, seconds: float) -> None:
     """Refuse, in one line, a database whose inbox is not in the layout ``INBOX_PARTITION_SECONDS`` asks for
-    (``seconds``: 0 for the plain table), or ``batched`` handlers on the partitioned one; on the partitioned
-    one, keep its generations' length."""
-    if seconds and batched:
-        raise ConfigurationError("batch= handlers do not run on the partitioned inbox yet"
-                                 " (INBOX_PARTITION_SECONDS): use the plain table for them")
+    (``seconds``: 0 for the plain table); on the partitioned one, keep its generations' length."""
     if seconds and not database.asyncpg:
         raise ConfigurationError("INBOX_PARTITION_SECONDS needs PostgreSQL on asyncpg (postgresql+asyncpg://);"
                                  " set it to 0 here")
@@ -344,6 +341,14 @@ def _lock_not_available() -> type[Exception]:
 _LIVE = "(NOT CAST(:tombstones AS boolean) OR expires_at > :now OR locked_until > :now)"
 """A row that is the key's record, not its tombstone (with tombstones on, an expired row without a live
 lease is the key's tombstone until its partition leaves)."""
+_KEPT = "(expires_at > :now OR locked_until > :now)"
+"""A row not past its time: remembered, or held by a live lease. A statement that changes a key's row changes
+such a row only, for two reasons. With tombstones on, a row past its time is the key's tombstone: a completion,
+a release or a parking must not take it for the key's record (on the plain table the sweeper deleted that row:
+the statement finds none). And with tombstones on or off, its generation may be leaving: the rows that still
+matter were moved on into the current one before the detach (those expiring later than the sweep's now less
+INBOX_TOMBSTONE_SECONDS, which every row not past its time now does), and a row made to matter again after the
+move (its expiry pushed later) would be dropped with the rest."""
 _COLUMNS = ("consumer, key_digest, namespace, version, fingerprint, state, locked_until, lease_token, attempts,"
             " outcome, result, last_error, created_at, updated_at, expires_at")
 LOOKUP = Statement(f"SELECT {_COLUMNS} FROM inbox WHERE consumer = :consumer AND key_digest = :key_digest AND {_LIVE}")
@@ -397,19 +402,46 @@ TAKEOVER = Statement(  # its expiry kept at least as late as the lease: a leavin
     "UPDATE inbox SET locked_until = :locked_until, lease_token = :lease_token,"
     " attempts = attempts + 1, updated_at = :now, expires_at = GREATEST(expires_at, :locked_until)"
     " WHERE consumer = :consumer AND key_digest = :key_digest AND state = 'started'"
-    f" AND fingerprint = :fingerprint AND (locked_until IS NULL OR locked_until <= :now) AND {_LIVE}"
+    f" AND fingerprint = :fingerprint AND (locked_until IS NULL OR locked_until <= :now) AND {_KEPT}"
     " RETURNING attempts")
-# The single-transaction claim's insert, in the handler's transaction: the row written completed when no
-# partition has the key; ``inserted`` 0 otherwise (the caller looks it up, as on the plain table).
+# With tombstones off, a started row past its time without a live lease is one the plain table's sweeper deletes,
+# and nothing takes it over here (see _KEPT): a claim that meets one deletes it, then claims the key as a new one.
+DROP_LAPSED = Statement(
+    "DELETE FROM inbox WHERE consumer = :consumer AND key_digest = :key_digest AND state = 'started'"
+    " AND expires_at <= :now AND (locked_until IS NULL OR locked_until <= :now)")
+# The single-transaction claim's insert, in the handler's (or an endpoint's) transaction: the row written
+# completed, with ``result`` (an endpoint's response; NULL for a delivery), when no partition has the key;
+# ``inserted`` 0 otherwise (the caller looks it up, as on the plain table).
 INSERT_COMPLETED = Statement(
     f"WITH {_GEN}, ins AS (INSERT INTO inbox (consumer, key_digest, namespace, version, fingerprint, state,"
-    " attempts, outcome, created_at, updated_at, expires_at, generation)"
+    " attempts, outcome, result, created_at, updated_at, expires_at, generation)"
     " SELECT CAST(:consumer AS varchar), CAST(:key_digest AS varchar), :namespace, :version, :fingerprint,"
-    " 'completed', 1, :outcome, :now, :now, :expires_at, gen.g FROM gen"
+    " 'completed', 1, :outcome, CAST(:result AS json), :now, :now, :expires_at, gen.g FROM gen"
     f" WHERE gen.g IS NOT NULL AND NOT EXISTS ({_ANY_ROW})"
     f" AND NOT (CAST(:tombstones AS boolean) AND EXISTS ({_OLD_TOMB}))"
     " ON CONFLICT (consumer, key_digest, generation) DO NOTHING RETURNING 1)"
     f" SELECT (SELECT count(*) FROM ins) AS inserted, {_STALE}"
+)
+# A batch's claim, in the batch's transaction: each new key written completed into the current generation
+# where no partition has it (and the old table no tombstone), under one guard for the batch; ``inserted``: the
+# digests written. Each key is probed through the key index by a LATERAL ... LIMIT 1, as on the plain table
+# (a join over the array is planned, on an empty table, as a scan of the consumer's rows).
+CLAIM_BATCH = Statement(
+    f"WITH {_GEN}, ins AS (INSERT INTO inbox (consumer, key_digest, namespace, version, fingerprint, state,"
+    " attempts, outcome, created_at, updated_at, expires_at, generation)"
+    " SELECT CAST(:consumer AS varchar), k.key_digest, k.namespace, k.version, k.fingerprint, 'completed', 1,"
+    " CAST(:outcome AS varchar), CAST(:now AS timestamptz), CAST(:now AS timestamptz),"
+    " CAST(:expires_at AS timestamptz), gen.g"
+    " FROM gen CROSS JOIN unnest(CAST(:key_digests AS varchar[]), CAST(:namespaces AS varchar[]),"
+    " CAST(:versions AS integer[]), CAST(:fingerprints AS varchar[])) AS k(key_digest, namespace, version,"
+    " fingerprint)"
+    " LEFT JOIN LATERAL (SELECT 1 AS found FROM inbox i WHERE i.consumer = CAST(:consumer AS varchar)"
+    " AND i.key_digest = k.key_digest LIMIT 1) seen ON true"
+    " LEFT JOIN LATERAL (SELECT 1 AS found FROM inbox_tombstones t WHERE t.consumer = CAST(:consumer AS varchar)"
+    " AND t.key_digest = k.key_digest AND CAST(:tombstones AS boolean) LIMIT 1) tomb ON true"
+    " WHERE gen.g IS NOT NULL AND seen.found IS NULL AND tomb.found IS NULL"
+    " ON CONFLICT (consumer, key_digest, generation) DO NOTHING RETURNING key_digest)"
+    f" SELECT ARRAY(SELECT key_digest FROM ins) AS inserted, {_STALE}"
 )
 # After a failed single-transaction attempt: the started row counted where it is, or inserted.
 RECORD_FAILURE = Statement(
@@ -425,11 +457,40 @@ RECORD_FAILURE = Statement(
     " SELECT (SELECT attempts FROM counted UNION ALL SELECT attempts FROM inserted LIMIT 1) AS attempts,"
     f" {_STALE}"
 )
-RENEW = Statement(
-    "UPDATE inbox SET locked_until = :locked_until, updated_at = :now,"
-    " expires_at = GREATEST(expires_at, :locked_until)"
-    " WHERE consumer = :consumer AND key_digest = :key_digest AND state = 'started' AND lease_token = :lease_token")
+# An idempotent endpoint's single transaction (sql.LOCK_AND_LOOK): the key's advisory lock (the plain one's, its
+# text up to the tombstone), the key's live row as this statement's snapshot sees it, and whether the key has a
+# tombstone; its row is written at the end by INSERT_COMPLETED (guarded), or FINISH_STARTED_WITH_RESULT for a row
+# an earlier attempt left started.
+LOCK_AND_LOOK = Statement(
+    f"{sql.LOCK_AND_LOOK.sql.partition(', EXISTS')[0]}, CAST(:tombstones AS boolean) AND EXISTS ({TOMBSTONE.sql})"
+    f" AS tombstoned, r.* FROM (SELECT 1) AS one LEFT JOIN ({LOOKUP.sql}) AS r ON true")
 FORGET_TOMBSTONE = Statement(  # the old table's row, or the expired row that is the key's tombstone
     "WITH old AS (DELETE FROM inbox_tombstones WHERE consumer = :consumer AND key_digest = :key_digest)"
     " DELETE FROM inbox WHERE consumer = :consumer AND key_digest = :key_digest AND expires_at <= :now"
     " AND (locked_until IS NULL OR locked_until <= :now)")
+
+
+def _kept(statement: Statement) -> Statement:
+    """``statement``, the plain table's change of one key's row, on a row not past its time (:data:`_KEPT`)."""
+    change, returning, rest = statement.sql.partition(" RETURNING ")
+    return Statement(f"{change} AND {_KEPT}{returning}{rest}")
+
+
+# The plain table's changes of a key's row (by its lease, or its state), on a row not past its time.
+RENEW = Statement(  # its expiry kept at least as late as the lease, as TAKEOVER's
+    "UPDATE inbox SET locked_until = :locked_until, updated_at = :now,"
+    " expires_at = GREATEST(expires_at, :locked_until)"
+    " WHERE consumer = :consumer AND key_digest = :key_digest AND state = 'started' AND lease_token = :lease_token"
+    f" AND {_KEPT}")
+COMPLETE = _kept(sql.COMPLETE)
+COMPLETE_WITH_RESULT = _kept(sql.COMPLETE_WITH_RESULT)
+COMPLETE_ENDING_SESSION = Statement(sql.COMPLETE_ENDING_SESSION.sql.replace(sql.COMPLETE.sql, COMPLETE.sql))
+assert COMPLETE.sql in COMPLETE_ENDING_SESSION.sql, "sql.COMPLETE_ENDING_SESSION must hold sql.COMPLETE as is"
+RELEASE = _kept(sql.RELEASE)
+WITHDRAW = _kept(sql.WITHDRAW)
+MARK_DEAD = _kept(sql.MARK_DEAD)
+MARK_DEAD_UNLEASED = _kept(sql.MARK_DEAD_UNLEASED)
+FINISH_STARTED = _kept(sql.FINISH_STARTED)
+FINISH_STARTED_WITH_RESULT = _kept(sql.FINISH_STARTED_WITH_RESULT)
+REOPEN_PARKED = _kept(sql.REOPEN_PARKED)
+REOPEN_WITH_FINGERPRINT = _kept(sql.REOPEN_WITH_FINGERPRINT)

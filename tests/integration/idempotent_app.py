@@ -98,6 +98,8 @@ def build(settings: Settings, *, tracer_provider: Any = None, telemetry: Telemet
     # PostgreSQL on asyncpg, the bench's way), and for a key seen after its record was swept.
     one = IdempotencyKey(app, namespace="one", version=1, caller=tenant, single_transaction=True)
     one_late = IdempotencyKey(app, namespace="one-late", version=1, single_transaction=True, after_retention="refuse")
+    one_late_run = IdempotencyKey(app, namespace="one-late-run", version=1, single_transaction=True,
+                                  after_retention="run")
     on_asyncpg = settings.database_url.startswith("postgresql+asyncpg")
     fast = IdempotencyKey(app, namespace="fast", version=1, single_transaction=True,
                           driver="asyncpg" if on_asyncpg else "sqlalchemy")
@@ -178,7 +180,8 @@ def build(settings: Settings, *, tracer_provider: Any = None, telemetry: Telemet
     for path, keys in (("/labels", labels), ("/slow", slow), ("/jobs", jobs), ("/late/refuse", late_refuse),
                        ("/late/run", late_run), ("/payments/charges", idempotency_context),
                        ("/payments/refunds", idempotency_context), ("/one", one), ("/one/late", one_late),
-                       ("/fast/orders", idempotency_context), ("/staged", staged), ("/staged/run", staged_run)):
+                       ("/one/late-run", one_late_run), ("/fast/orders", idempotency_context), ("/staged", staged),
+                       ("/staged/run", staged_run)):
         route(path, keys)
     for path, keys in (("/labels", labels), ("/slow", slow), ("/jobs", jobs), ("/late/refuse", late_refuse),
                        ("/one", one), ("/staged", staged)):

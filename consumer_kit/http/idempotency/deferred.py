@@ -4,7 +4,7 @@ runs; once it has returned, its staged writes, the key and the response are writ
 ::
 
     route(ctx)   ctx.stage(...), ctx.outbox.publish(...): kept; nothing is written yet
-    one statement staged, PostgreSQL on asyncpg, one HMAC key in use:
+    one statement staged, PostgreSQL on asyncpg, the plain inbox, one HMAC key in use:
         WITH <the key's tombstone>, <the key's row, completed, with the response> <the staged statement>
           written      -> the response
           key taken    -> the row decides: its response replayed; 409 while a lease holds it; 422 for
@@ -93,8 +93,12 @@ class StagedOperation(Operation):
 
     def _one_statement(self) -> bool:
         """Whether the key and one staged statement can go in one statement here: PostgreSQL on the
-        store's asyncpg pool, and one HMAC key in use (a key under the previous one is a second look)."""
-        return self.keys.app.database.asyncpg and not self.keys.uses_db and len(self._digests) == 1
+        store's asyncpg pool, the plain inbox, and one HMAC key in use (a key under the previous one is a
+        second look). On the partitioned inbox the statement's refusal of a key that has a row (the
+        inbox's unique index) holds within a partition only: there the transaction path looks in every one."""
+        keys = self.keys
+        return keys.app.database.asyncpg and not keys.uses_db and len(self._digests) == 1 \
+            and not keys.app.inbox.partitioned
 
     async def _at_once(self, reply: Reply, statement: str, args: tuple[Any, ...]) -> Reply | None:
         """Send the staged statement with the key: what to answer, or ``None`` where the

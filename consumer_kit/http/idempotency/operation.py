@@ -42,7 +42,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 from consumer_kit import metrics
-from consumer_kit.errors import ConfigurationError, InvalidKey
+from consumer_kit.errors import InvalidKey
 from consumer_kit.http import DEFAULT_BODY_LIMIT
 from consumer_kit.http.idempotency.deferred import StagedOperation
 from consumer_kit.http.idempotency.held import IdempotentContext, Operation, end_span, end_unwritten
@@ -104,7 +104,7 @@ class KeyRules:
     nothing to wait for: the retry runs at once. ``staged=True``: the route only stages its writes
     (``ctx.stage``, ``ctx.outbox``) and reads nothing through ``ctx.db`` or ``ctx.connection``; nothing is
     held while it runs, and once it returns its writes, the key and the response are written together,
-    on PostgreSQL on asyncpg in a single statement when the route staged one statement (see
+    on PostgreSQL on asyncpg in a single statement when the route staged one statement (the plain inbox; see
     :class:`~consumer_kit.http.idempotency.deferred.StagedOperation`). ``driver="asyncpg"`` (PostgreSQL
     on asyncpg): the route writes through ``ctx.connection`` only, not ``ctx.db``, on the store's own
     asyncpg pool. ``remember_bytes``: how much of its finished keys' answers the endpoint keeps in this
@@ -122,9 +122,6 @@ class KeyRules:
             raise ValueError(f"after_retention must be 'refuse' or 'run', not {after_retention!r}")
         if driver not in ("sqlalchemy", "asyncpg"):
             raise ValueError(f"driver must be 'sqlalchemy' or 'asyncpg', not {driver!r}")
-        if app.settings.inbox_partition_seconds:
-            raise ConfigurationError("idempotent endpoints do not run on the partitioned inbox yet"
-                                     " (INBOX_PARTITION_SECONDS): use the plain table for them")
         self.app = app
         self.namespace = namespace
         self.version = version
