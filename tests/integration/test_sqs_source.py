@@ -222,7 +222,13 @@ async def test_no_dead_letter_queue_and_no_redrive_policy_is_refused(moto: Moto,
         await app.start()
 
 
-async def test_an_unreachable_endpoint_is_a_clear_error_at_start(sqlite_url: str) -> None:
+async def test_an_unreachable_endpoint_is_a_clear_error_at_start(sqlite_url: str,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    # Credentials of its own: without the moto server's fixture (set up or not by an earlier test of this
+    # worker) boto3 would stop at "no AWS credentials" before it tried the endpoint.
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.delenv("AWS_PROFILE", raising=False)
     with socket.socket() as probe:  # a port that was just free: nothing listens there
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
