@@ -115,6 +115,23 @@ def test_which_statements_can_be_guarded() -> None:
         assert not can_guard(other), other
 
 
+
+def staged_api(database_url: str, namespace: str) -> tuple[Any, Any, Any]:
+    """A ConsumerApp, a staged endpoint's rules on it (asyncpg) and a FastAPI app with the middleware."""
+    from fastapi import FastAPI
+
+    from consumer_kit import ConsumerApp
+    from consumer_kit.http.asgi import lifespan
+    from consumer_kit.http.idempotency import IdempotencyKey, IdempotencyMiddleware
+    from tests.conftest import make_settings
+
+    app = ConsumerApp(make_settings(database_url))
+    keys = IdempotencyKey(app, namespace=namespace, version=1, staged=True, driver="asyncpg")
+    api = FastAPI(lifespan=lifespan(app))
+    api.add_middleware(IdempotencyMiddleware)
+    return app, keys, api
+
+
 async def test_a_route_whose_own_row_is_refused_first_gets_the_answer_written(pg_database: str) -> None:
     """Concurrent requests with one key to a staged route whose row has a unique index of its own: the
     statements after the first may be refused on that index before the key's; each then reads the key's
@@ -123,18 +140,12 @@ async def test_a_route_whose_own_row_is_refused_first_gets_the_answer_written(pg
     import uuid
 
     import httpx
-    from fastapi import Depends, FastAPI
+    from fastapi import Depends
 
-    from consumer_kit import ConsumerApp
-    from consumer_kit.http.asgi import lifespan
-    from consumer_kit.http.idempotency import IdempotencyKey, IdempotencyMiddleware, IdempotentContext
+    from consumer_kit.http.idempotency import IdempotentContext
     from consumer_kit.testing.server import served_asgi
-    from tests.conftest import make_settings
 
-    app = ConsumerApp(make_settings(pg_database))
-    refunds = IdempotencyKey(app, namespace="refunds", version=1, staged=True, driver="asyncpg")
-    api = FastAPI(lifespan=lifespan(app))
-    api.add_middleware(IdempotencyMiddleware)
+    app, refunds, api = staged_api(pg_database, "refunds")
 
     @api.post("/refunds", status_code=201)
     async def refund(body: dict[str, str], ctx: IdempotentContext = Depends(refunds)) -> dict[str, str]:  # noqa: B008
@@ -274,18 +285,12 @@ async def test_a_staged_route_that_publishes_writes_its_message_with_its_row(pg_
     """A staged route that stages one statement and publishes to the outbox: the message is written with
     the row and the key (the single statement is not taken: it carries no outbox rows)."""
     import httpx
-    from fastapi import Depends, FastAPI
+    from fastapi import Depends
 
-    from consumer_kit import ConsumerApp
-    from consumer_kit.http.asgi import lifespan
-    from consumer_kit.http.idempotency import IdempotencyKey, IdempotencyMiddleware, IdempotentContext
+    from consumer_kit.http.idempotency import IdempotentContext
     from consumer_kit.testing.server import served_asgi
-    from tests.conftest import make_settings
 
-    app = ConsumerApp(make_settings(pg_database))
-    tickets = IdempotencyKey(app, namespace="tickets", version=1, staged=True, driver="asyncpg")
-    api = FastAPI(lifespan=lifespan(app))
-    api.add_middleware(IdempotencyMiddleware)
+    app, tickets, api = staged_api(pg_database, "tickets")
 
     @api.post("/tickets", status_code=201)
     async def book(body: dict[str, str], ctx: IdempotentContext = Depends(tickets)) -> dict[str, str]:  # noqa: B008

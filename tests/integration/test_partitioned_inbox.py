@@ -6,6 +6,7 @@ left alone by every change of a key's row, batch handlers through the app, and w
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Iterator
 from datetime import UTC, datetime, timedelta
 
@@ -53,6 +54,28 @@ def store(database: Database, clock: Clock, *, partitioned: bool = True, tombsto
 async def partition(database: Database, clock: Clock) -> bool:
     async with (await database.pool()).acquire() as conn:
         return await partitions.partition(conn, seconds=PARTITION.total_seconds(), now=clock())
+
+
+@contextlib.asynccontextmanager
+async def rotating(database: Database, clock: Clock) -> AsyncIterator[list[int]]:
+    """The generation rotating as fast as it can (every 5 ms) while the block runs; yields ``[rotations]``,
+    counted until it ends."""
+    rotations = [0]
+    running = True
+
+    async def rotate() -> None:
+        async with (await database.pool()).acquire() as conn:
+            while running:
+                await partitions.make_ahead(conn)
+                rotations[0] += await partitions.rotate(conn, clock()) is not None
+                await asyncio.sleep(0.005)
+
+    rotator = asyncio.create_task(rotate())
+    try:
+        yield rotations
+    finally:
+        running = False
+        await rotator
 
 
 async def claim(database: Database, inbox: Inbox, name: str, fp: str = "fp") -> Claim:
@@ -139,17 +162,6 @@ async def test_one_key_is_one_row_under_concurrent_claims_and_rotations(database
     inbox = store(database, clock)
     names = [f"k{i:04d}" for i in range(400)]
     acquired: dict[str, int] = dict.fromkeys(names, 0)
-    rotations = 0
-    running = True
-
-    async def rotate() -> None:
-        nonlocal rotations
-        async with (await database.pool()).acquire() as conn:
-            while running:
-                await partitions.make_ahead(conn)
-                rotations += await partitions.rotate(conn, clock()) is not None
-                await asyncio.sleep(0.005)
-
     async def claimer(seed: int) -> None:
         for name in names:  # all in the same order: each key is claimed by all of them at once
             if seed % 2:
@@ -160,16 +172,12 @@ async def test_one_key_is_one_row_under_concurrent_claims_and_rotations(database
             elif (await claim_completed(database, inbox, name)).status is ClaimStatus.ACQUIRED:
                 acquired[name] += 1
 
-    rotator = asyncio.create_task(rotate())
-    try:
+    async with rotating(database, clock) as rotations:
         await asyncio.gather(*(claimer(seed) for seed in range(8)))
-    finally:
-        running = False
-        await rotator
     assert [name for name, times in acquired.items() if times != 1] == []
     rows = await rows_by_generation(database)
     assert [name for name in names if len(rows[name]) != 1] == []
-    assert rotations >= 10, rotations
+    assert rotations[0] >= 10, rotations
     assert len({generations[0] for generations in rows.values()}) >= 5  # the keys straddle partitions
 
 
@@ -184,17 +192,6 @@ async def test_one_key_is_one_row_under_batches_and_single_and_held_claims_and_r
     inbox = store(database, clock)
     names = [f"k{i:04d}" for i in range(400)]
     acquired: dict[str, int] = dict.fromkeys(names, 0)
-    rotations = 0
-    running = True
-
-    async def rotate() -> None:
-        nonlocal rotations
-        async with (await database.pool()).acquire() as conn:
-            while running:
-                await partitions.make_ahead(conn)
-                rotations += await partitions.rotate(conn, clock()) is not None
-                await asyncio.sleep(0.005)
-
     async def batches(keys: list[str], size: int) -> None:
         for start in range(0, len(keys), size):  # in the others' order (two batches never wait for each other)
             chunk = keys[start:start + size]
@@ -213,19 +210,15 @@ async def test_one_key_is_one_row_under_batches_and_single_and_held_claims_and_r
                 found = await held(database, inbox, name)
             acquired[name] += found is not None and found.acquired
 
-    rotator = asyncio.create_task(rotate())
-    try:
+    async with rotating(database, clock) as rotations:
         for start in range(0, len(names), 12):  # claimers that keep together meet on each key
             keys = names[start:start + 12]
             await asyncio.gather(batches(keys, 12), batches(keys, 5), batches(keys, 3), singles(keys, "leased"),
                                  singles(keys, "completed"), singles(keys, "held"), singles(keys, "leased"))
-    finally:
-        running = False
-        await rotator
     assert [name for name, times in acquired.items() if times != 1] == []
     rows = await rows_by_generation(database)
     assert [name for name in names if len(rows[name]) != 1] == []
-    assert rotations >= 10, rotations
+    assert rotations[0] >= 10, rotations
     assert len({generations[0] for generations in rows.values()}) >= 5  # the keys straddle partitions
 
 
