@@ -116,7 +116,7 @@ async def held(database: Database, inbox: Inbox, name: str, fp: str = "fp") -> C
 
 
 class _Refused(Exception):
-    pass
+    """Rolls :func:`held`'s transaction back when its row was refused at the end."""
 
 
 def digest(name: str) -> str:
