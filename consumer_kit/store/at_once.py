@@ -200,8 +200,9 @@ class SharedWrites:
                     await asyncio.wait([flight.task])
                 finally:
                     del self._flights[joined]
-                if flight.task.cancelled():
-                    _tell(writes, _ALONE)
+                # A flight a cancelled request cancelled told none of its writes what became of them: they
+                # go alone (the others were told, and telling them again does nothing).
+                _tell(writes, _ALONE)
         except BaseException as exc:  # this task cancelled (the loop is closing): nobody waits in vain
             if flight is not None:
                 flight.task.cancel()
